@@ -1,0 +1,3 @@
+from aiprof.cli.main import main
+
+raise SystemExit(main())
