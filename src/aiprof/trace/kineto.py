@@ -120,13 +120,19 @@ class Columns:
         setdefault = index.setdefault
         parts.append(np.fromiter((setdefault(v, len(index)) for v in values), dtype=np.int32))
 
-    def table(self) -> Table:
+    def table(self, sort_key: str = "ts") -> Table:
+        """The accumulated rows, sorted by ``sort_key`` (stable) so row order never depends on chunking."""
         cols: dict[str, np.ndarray | Strings] = {}
         for name, parts in self.numeric.items():
             cols[name] = np.concatenate(parts) if parts else np.zeros(0)
         for name, (index, parts) in self.strings.items():
             cols[name] = Strings(np.concatenate(parts) if parts else np.zeros(0, np.int32), list(index))
-        return Table(cols)
+        t = Table(cols)
+        if sort_key in cols and len(t) > 1:
+            key = cols[sort_key]
+            if np.any(key[1:] < key[:-1]):
+                t = t.take(np.argsort(key, kind="stable"))
+        return t
 
 
 def _opt(values, default):
@@ -337,13 +343,9 @@ class _Builder:
 
     def finish(self) -> dict[str, Table]:
         tables = {name: c.table() for name, c in self.t.items() if c.rows}
-        starts: dict[tuple, tuple] = {}
-        rows = []
-        for cat, fid, end, t, pid, tid in self.flow_pts:
-            if not end:
-                starts[(cat, fid)] = (t, pid, tid)
-            elif (cat, fid) in starts:
-                rows.append((cat, fid, *starts[(cat, fid)], t, pid, tid))
+        starts = {(cat, fid): (t, pid, tid) for cat, fid, end, t, pid, tid in self.flow_pts if not end}
+        rows = [(cat, fid, *starts[(cat, fid)], t, pid, tid)
+                for cat, fid, end, t, pid, tid in self.flow_pts if end and (cat, fid) in starts]
         if rows:
             fl = Columns()
             fl.add_str("cat", [r[0] for r in rows])
@@ -351,7 +353,7 @@ class _Builder:
             for i, col in enumerate(("src_ts", "src_pid", "src_tid", "dst_ts", "dst_pid", "dst_tid")):
                 fl.add_num(col, [r[2 + i] for r in rows], np.int64)
             fl.rows = len(rows)
-            tables["flows"] = fl.table()
+            tables["flows"] = fl.table("src_ts")
         if self.threads:
             th = Columns()
             keys = sorted(self.threads)
