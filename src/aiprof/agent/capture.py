@@ -1,0 +1,532 @@
+"""The capture driver: starts and stops torch.profiler at iteration boundaries, then exports.
+
+State machine (one capture at a time)::
+
+    IDLE --submit--> ARMED --boundary k == start-1--> (prepare: CUPTI warm-up)
+    ARMED --boundary k >= start--> RECORDING --M steps or D ms--> EXPORTING --> IDLE
+    ARMED --no boundary for wait_ms--> time-based RECORDING on the main thread
+
+Start and stop always run on the thread that runs the steps (inside the step hooks), or on the
+main thread through a pending call for time-based captures: never from the agent's own threads.
+Each recorded iteration is wrapped in a ``ProfilerStep#<k>`` record_function, ``k`` being the
+job's own iteration number, so all ranks of a job name the same iteration the same way.
+
+Export (Kineto JSON, gzip, hw.csv, meta.json) runs on a background thread; meta.json is
+written last, so its presence means the capture is complete.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from aiprof.agent import log
+from aiprof.agent.config import CaptureRequest
+
+IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
+CLOCK_MARKER = "aiprof::clock_sync"
+META_SCHEMA = "aiprof.capture/1"
+START_TIMEOUT_S = 10.0  # a pending call on a main thread that runs no Python for this long is dropped
+EXPORT_WAIT_AT_EXIT_S = 30.0
+
+DoneCallback = Callable[[dict], None]
+
+
+def rank_info() -> dict[str, int | None]:
+    """Rank, world size and local rank from torch.distributed if initialised, else env vars."""
+    rank = world = None
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+
+    def env_int(name: str) -> int | None:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            return None
+
+    if rank is None:
+        rank = env_int("RANK")
+    if world is None:
+        world = env_int("WORLD_SIZE")
+    return {"rank": rank if rank is not None else 0, "world_size": world if world is not None else 1,
+            "local_rank": env_int("LOCAL_RANK")}
+
+
+def find_marker_ts(path: str, name: str = CLOCK_MARKER, limit_bytes: int = 1 << 30) -> float | None:
+    """The ``ts`` of the first event named ``name`` in a Kineto JSON file, scanning as text.
+
+    Parsing the whole trace would cost the job memory and GIL time; the event is small and
+    Kineto writes ``name`` before ``ts`` inside one event object.
+    """
+    pat = re.compile(rb'"name":\s*"' + re.escape(name.encode()) + rb'"[^{}]*?"ts":\s*([0-9.eE+-]+)')
+    tail = b""
+    read = 0
+    with open(path, "rb") as f:
+        while read < limit_bytes:
+            chunk = f.read(1 << 22)
+            if not chunk:
+                break
+            read += len(chunk)
+            buf = tail + chunk
+            m = pat.search(buf)
+            if m:
+                return float(m.group(1))
+            tail = buf[-4096:]
+    return None
+
+
+class CaptureDriver:
+    """Owns the profiler of one process. Thread-safe enough: the hot path reads one attribute."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+        self.state = IDLE
+        self.req: CaptureRequest | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list[DoneCallback] = []
+        self._reset()
+        self.last_result: dict | None = None
+        self.captures_done = 0
+
+    def _reset(self) -> None:
+        self.start_at: int | None = None
+        self.prof: Any = None
+        self.prepared = False
+        self.mode = ""
+        self.step_rf: Any = None
+        self.steps: list[int] = []
+        self.first_step_t = 0.0
+        self.t_start = 0.0
+        self.t_start_unix_ns = 0
+        self.clock: dict[str, Any] = {}
+        self.armed_at = 0.0
+        self.armed_count = 0
+        self.sampler: Any = None
+        self.info: dict[str, Any] = {}
+        self.pending_main: str | None = None  # "start"/"stop" scheduled on the main thread
+        self.pending_since = 0.0
+        self.before_ms: list[float] = []
+        self.during_ms: list[float] = []
+        self.errors: list[str] = []
+        self.export_thread: threading.Thread | None = None
+
+    # -- control side (agent threads) ---------------------------------------------------------
+    def submit(self, req: CaptureRequest, on_done: DoneCallback | None = None) -> str | None:
+        """Arm a capture; returns None if accepted, else why not (e.g. one is in progress)."""
+        with self._lock:
+            if self.state != IDLE:
+                return f"busy: a capture is {self.state}"
+            self._reset()
+            self.req = req
+            self._callbacks = [on_done] if on_done else []
+            self.armed_at = time.perf_counter()
+            self.armed_count = self.agent.tracker.count
+            self.state = ARMED
+        return None
+
+    def add_callback(self, cb: DoneCallback) -> None:
+        with self._lock:
+            self._callbacks.append(cb)
+
+    def poll(self) -> None:
+        """Called by the control thread a few times a second: timeouts and time-based captures."""
+        st = self.state
+        req = self.req
+        if req is None or st in (IDLE, EXPORTING):
+            return
+        now = time.perf_counter()
+        if self.pending_main and now - self.pending_since > START_TIMEOUT_S:
+            what = self.pending_main
+            if what == "start":
+                self.pending_main = None
+                self._fail("the main thread ran no Python code for 10 s, so a time-based capture could not start")
+                return
+            log.warn_once("stop-wait", "waiting for the main thread to run Python code to stop the profiler")
+        if st == ARMED and self.pending_main is None and req.wait_ms is not None:
+            tracker = self.agent.tracker
+            med = tracker.median_ms() or 0.0
+            wait = max(req.wait_ms, 3 * med)  # slow iterations are not "no iterations"
+            if tracker.count == self.armed_count and not self.prepared and (now - self.armed_at) * 1e3 >= wait:
+                self._schedule_main("start")
+        elif st == RECORDING and self.mode == "time" and self.pending_main is None:
+            if (now - self.t_start) * 1e3 >= req.fallback_duration_ms:
+                self._schedule_main("stop")
+
+    def _schedule_main(self, what: str) -> None:
+        from aiprof.agent.mainthread import call_soon_in_main_thread
+
+        self.pending_main = what
+        self.pending_since = time.perf_counter()
+        fn = self._main_start if what == "start" else self._main_stop
+        if not call_soon_in_main_thread(fn):
+            self.pending_main = None
+            self._fail("the interpreter refused a main-thread call (pending-call queue full)")
+
+    def _main_start(self) -> None:
+        if self.pending_main != "start" or self.state != ARMED:
+            return  # cancelled, or an iteration boundary got there first
+        self.pending_main = None
+        self._start(None, "time")
+
+    def _main_stop(self) -> None:
+        if self.pending_main != "stop" or self.state != RECORDING:
+            return
+        self.pending_main = None
+        self._stop()
+
+    def _fail(self, why: str) -> None:
+        if self.sampler is not None:
+            self.sampler._stop.set()
+            self.sampler = None
+        with self._lock:
+            self.state = IDLE
+        self._finish({"ok": False, "error": why, "dir": None})
+
+    # -- training thread ----------------------------------------------------------------------
+    def step_begin(self, k: int) -> None:
+        """Iteration ``k`` starts (called on the stepping thread)."""
+        st = self.state
+        if st is IDLE or st is EXPORTING:
+            return
+        req = self.req
+        if req is None:
+            return
+        if st is ARMED:
+            if self.pending_main == "start":
+                self.pending_main = None  # iterations appeared after all: use them
+            if self.start_at is None:
+                self.start_at = req.start_at if req.start_at is not None else k + req.skip
+            if k < self.start_at:
+                if req.warmup and k == self.start_at - 1 and not self.prepared:
+                    self._prepare()
+                return
+            self._start(k, "iterations" if req.iterations is not None else "duration")
+            if self.state is not RECORDING:
+                return
+        if self.mode == "time":
+            return
+        from torch.autograd.profiler import record_function
+
+        rf = record_function(f"ProfilerStep#{k}")
+        rf.__enter__()
+        self.step_rf = rf
+        if not self.steps:
+            self.first_step_t = time.perf_counter()
+        self.steps.append(k)
+
+    def step_end(self, k: int) -> None:
+        """Iteration ``k`` ended (called on the stepping thread)."""
+        if self.state is not RECORDING or self.mode == "time":
+            return
+        rf, self.step_rf = self.step_rf, None
+        if rf is not None:
+            rf.__exit__(None, None, None)
+        if not self.steps:
+            return
+        req = self.req
+        assert req is not None
+        if req.iterations is not None and self.mode == "iterations":
+            done = len(self.steps) >= req.iterations
+        else:
+            done = (time.perf_counter() - self.first_step_t) * 1e3 >= req.fallback_duration_ms
+        if done:
+            self._stop()
+
+    # -- profiler -----------------------------------------------------------------------------
+    def _make_profiler(self) -> Any:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        req = self.req
+        assert req is not None
+        acts = [ProfilerActivity.CPU]
+        cuda = False
+        try:
+            cuda = bool(torch.cuda.is_initialized())  # never initialise CUDA in a CPU job
+        except Exception:
+            pass
+        if cuda:
+            acts.append(ProfilerActivity.CUDA)
+        self.info["activities"] = ["cpu", "cuda"] if cuda else ["cpu"]
+        w = set(req.what)
+        return profile(activities=acts, record_shapes="shapes" in w, with_stack="python" in w,
+                       profile_memory="memory" in w, with_flops="flops" in w)
+
+    def _start_sampler(self, gpus: list[str]) -> None:
+        req = self.req
+        if req is None or "hw" not in req.what:
+            return
+        try:
+            from aiprof.agent.hwmon import HwSampler
+
+            self.sampler = HwSampler(req.hw_interval_ms, gpus)
+            self.sampler.start()
+        except Exception as exc:
+            self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
+
+    def _prepare(self) -> None:
+        try:
+            self._start_sampler(self._gpu_uuids())
+            self.prof = self._make_profiler()
+            self.prof.prepare_trace()
+            self.prepared = True
+        except Exception as exc:
+            self.prof = None
+            self._fail(f"profiler prepare failed: {type(exc).__name__}: {exc}")
+
+    def _start(self, k: int | None, mode: str) -> None:
+        req = self.req
+        assert req is not None
+        try:
+            self.mode = mode
+            tracker = self.agent.tracker
+            self.before_ms = tracker.recent_ms(50)
+            self.info.update(rank_info())
+            self.info["thread"] = threading.current_thread().name
+            gpus = self._gpu_uuids()
+            if self.sampler is None:  # start sampling just before recording (setup is slow)
+                self._start_sampler(gpus)
+            if self.prof is None:
+                self.prof = self._make_profiler()
+                self.prof.prepare_trace()
+            self.prof.start_trace()
+            from torch.autograd.profiler import record_function
+
+            t0 = time.time_ns()
+            with record_function(CLOCK_MARKER):
+                t1 = time.time_ns()
+            self.clock = {"marker_unix_ns": [t0, t1]}
+            self.t_start = time.perf_counter()
+            self.t_start_unix_ns = t0
+            self.state = RECORDING
+        except Exception as exc:
+            self.prof = None
+            self._fail(f"profiler start failed: {type(exc).__name__}: {exc}")
+
+    def _gpu_uuids(self) -> list[str]:
+        """NVML UUID of this thread's current CUDA device, if CUDA is in use."""
+        try:
+            import torch
+
+            if not torch.cuda.is_initialized():
+                return []
+            dev = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(dev)
+            self.info["device"] = {"index": dev, "name": props.name}
+            uuid = str(getattr(props, "uuid", "") or "")
+            if not uuid:
+                return []
+            return [uuid if uuid.startswith("GPU-") else "GPU-" + uuid]
+        except Exception as exc:
+            self.errors.append(f"GPU id: {type(exc).__name__}: {exc}")
+            return []
+
+    def _stop(self) -> None:
+        """Stop the profiler (stepping or main thread) and hand the results to the exporter."""
+        t_stop_unix_ns = time.time_ns()
+        try:
+            rf, self.step_rf = self.step_rf, None
+            if rf is not None:
+                rf.__exit__(None, None, None)
+            if self.sampler is not None:
+                self.sampler._stop.set()  # joined by the exporter, not here
+            self.prof.stop_trace()
+        except Exception as exc:
+            self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
+        self.during_ms = self.agent.tracker.recent_ms(len(self.steps)) if self.steps else []
+        self.info["stopped_unix_ns"] = t_stop_unix_ns
+        self.info["recorded_s"] = round(time.perf_counter() - self.t_start, 6)
+        with self._lock:
+            self.state = EXPORTING
+        self.export_thread = threading.Thread(target=self._export, name="aiprof-export", daemon=True)
+        self.export_thread.start()
+
+    # -- export (background thread) -----------------------------------------------------------
+    def out_dir(self) -> str:
+        req = self.req
+        assert req is not None
+        return os.path.join(req.out, req.capture_id, f"rank{self.info.get('rank', 0)}")
+
+    def _export(self) -> None:
+        result: dict[str, Any] = {"ok": False, "dir": None, "error": None}
+        try:
+            req = self.req
+            assert req is not None
+            d = self.out_dir()
+            os.makedirs(d, exist_ok=True)
+            result["dir"] = d
+            raw = os.path.join(d, "trace.json.tmp")
+            gz = os.path.join(d, "trace.json.gz")
+            trace_bytes = 0
+            if self.prof is not None:
+                self.prof.export_chrome_trace(raw)
+                self.prof = None  # free the in-memory results early
+                trace_bytes = os.path.getsize(raw)
+                self._clock_offset(raw)
+                cap = req.max_trace_mb << 20
+                with open(raw, "rb") as src, gzip.open(gz, "wb", compresslevel=3) as dst:
+                    while True:
+                        chunk = src.read(1 << 22)
+                        if not chunk:
+                            break
+                        dst.write(chunk)
+                        if dst.fileobj is not None and dst.fileobj.tell() > cap:  # type: ignore[union-attr]
+                            raise RuntimeError(f"trace exceeds --max-trace-mb {req.max_trace_mb}")
+                os.unlink(raw)
+            hw_rows = 0
+            hw_notes: list[str] = []
+            hw_sources: list[str] = []
+            if self.sampler is not None:
+                samples = self.sampler.stop()
+                off = self.clock.get("trace_minus_unix_us", 0.0) or 0.0
+                from aiprof.agent.hwmon import write_csv
+
+                hw_rows = write_csv(os.path.join(d, "hw.csv"), samples, off)
+                hw_notes, hw_sources = self.sampler.notes, self.sampler.sources
+                self.sampler = None
+            meta = self._meta(trace_bytes, hw_rows, hw_sources, hw_notes)
+            tmp = os.path.join(d, "meta.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(meta, f, indent=1, default=str)
+            os.replace(tmp, os.path.join(d, "meta.json"))
+            result["ok"] = True
+            result["steps"] = meta["steps"]["captured"]
+        except Exception as exc:
+            result["error"] = f"export failed: {type(exc).__name__}: {exc}"
+            log.error("capture export", exc)
+            for leftover in ("trace.json.tmp", "trace.json.gz"):
+                try:
+                    if result["dir"] and not result.get("ok"):
+                        os.unlink(os.path.join(result["dir"], leftover))
+                except OSError:
+                    pass
+        with self._lock:
+            self.state = IDLE
+            self.captures_done += 1
+        self._finish(result)
+
+    def _clock_offset(self, raw: str) -> None:
+        """Find the marker's ts in the trace and record trace_ts - unix_us in self.clock."""
+        try:
+            ts = find_marker_ts(raw)
+            if ts is None:
+                self.errors.append("clock marker not found in trace")
+                return
+            t0, t1 = self.clock["marker_unix_ns"]
+            mid_us = (t0 + t1) / 2000.0
+            self.clock.update({
+                "trace_minus_unix_us": round(ts - mid_us, 3),
+                "uncertainty_us": round((t1 - t0) / 2000.0, 3),
+                "marker_ts_us": ts,
+                "method": f"record_function {CLOCK_MARKER!r} between two time.time_ns() reads",
+            })
+        except Exception as exc:
+            self.errors.append(f"clock offset: {type(exc).__name__}: {exc}")
+
+    def _versions(self) -> dict[str, Any]:
+        v: dict[str, Any] = {"python": platform.python_version()}
+        try:
+            import aiprof
+
+            v["aiprof"] = aiprof.__version__
+        except Exception:
+            pass
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            v["torch"] = getattr(torch, "__version__", None)
+            v["cuda"] = getattr(getattr(torch, "version", None), "cuda", None)
+            try:
+                if torch.cuda.is_initialized():
+                    v["cudnn"] = torch.backends.cudnn.version()
+                    v["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception:
+                pass
+        pynvml = sys.modules.get("pynvml")
+        if pynvml is not None:
+            try:
+                pynvml.nvmlInit()
+                drv = pynvml.nvmlSystemGetDriverVersion()
+                v["driver"] = drv.decode() if isinstance(drv, bytes) else drv
+            except Exception:
+                pass
+        return v
+
+    def _meta(self, trace_bytes: int, hw_rows: int, hw_sources: list[str], hw_notes: list[str]) -> dict[str, Any]:
+        req = self.req
+        assert req is not None
+        tracker = self.agent.tracker
+        before = self.before_ms
+        srt = sorted(before)
+        during = getattr(self, "during_ms", [])
+        return {
+            "schema": META_SCHEMA,
+            "capture_id": req.capture_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "rank": self.info.get("rank", 0),
+            "world_size": self.info.get("world_size", 1),
+            "local_rank": self.info.get("local_rank"),
+            "cmdline": list(getattr(sys, "orig_argv", sys.argv)),
+            "cwd": os.getcwd(),
+            "origin": getattr(self.agent, "origin", "?"),
+            "mode": self.mode,  # iterations | duration (steps seen) | time (no steps: main thread)
+            "options": req.to_dict(),
+            "activities": self.info.get("activities"),
+            "device": self.info.get("device"),
+            "thread": self.info.get("thread"),
+            "started_unix_ns": self.t_start_unix_ns,
+            "stopped_unix_ns": self.info.get("stopped_unix_ns"),
+            "recorded_s": self.info.get("recorded_s"),
+            "steps": {
+                "source": tracker.source,
+                "captured": self.steps,
+                "annotation": "ProfilerStep#<k>",
+                "before_ms": before,
+                "before_median_ms": srt[len(srt) // 2] if srt else None,
+                "during_ms": during,
+                "seen_total": tracker.count,
+            },
+            "clock": self.clock,
+            "versions": self._versions(),
+            "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None},
+            "trace_json_bytes": trace_bytes,
+            "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms},
+            "errors": self.errors,
+        }
+
+    def _finish(self, result: dict) -> None:
+        self.last_result = result
+        with self._lock:
+            cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            try:
+                cb(result)
+            except Exception as exc:
+                log.error("capture callback", exc)
+        if not result.get("ok"):
+            log.warn_once(f"capture-fail-{self.captures_done}", f"capture failed: {result.get('error')}")
+
+    # -- shutdown -----------------------------------------------------------------------------
+    def at_exit(self) -> None:
+        """Interpreter exit: stop a capture in flight (main thread) and wait for its export."""
+        try:
+            if self.state == RECORDING and threading.current_thread() is threading.main_thread():
+                self.errors.append("the job exited during the capture")
+                self._stop()
+            t = self.export_thread
+            if t is not None and t.is_alive():
+                t.join(EXPORT_WAIT_AT_EXIT_S)
+        except Exception as exc:
+            log.error("capture at exit", exc)

@@ -1,0 +1,133 @@
+"""Capture requests: what to record, when to start, when to stop. Plain data, JSON round-trip.
+
+A request travels from the CLI to the agent (environment variable for ``aiprof run``, control
+socket for ``aiprof trigger``/``attach``), so it is a flat dict of JSON types.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Richness levels a capture can ask for. ``kernels`` = CPU ops + CUDA activities (always on).
+WHAT_LEVELS = ("kernels", "python", "shapes", "memory", "flops", "hw")
+DEFAULT_WHAT = ("kernels", "hw")
+
+# Hard limits: a request outside them is clamped, so a typo cannot record for an hour.
+MAX_ITERATIONS = 100
+MIN_DURATION_MS = 10
+MAX_DURATION_MS = 60_000
+DEFAULT_DURATION_MS = 2000
+DEFAULT_MAX_TRACE_MB = 512
+
+
+class RequestError(ValueError):
+    """A capture request that cannot be honoured (bad option value)."""
+
+
+def parse_what(spec: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Parse ``"kernels,python"`` (or ``"all"``) into a normalised tuple of levels."""
+    if spec is None or spec == "":
+        return DEFAULT_WHAT
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for raw in items:
+        name = raw.strip().lower()
+        if not name:
+            continue
+        if name == "all":
+            return WHAT_LEVELS
+        if name == "stack" or name == "stacks":
+            name = "python"
+        if name not in WHAT_LEVELS:
+            raise RequestError(f"unknown --what level {raw!r}; choose from {', '.join(WHAT_LEVELS)} or all")
+        if name not in out:
+            out.append(name)
+    if "kernels" not in out:
+        out.insert(0, "kernels")
+    return tuple(out)
+
+
+def new_capture_id() -> str:
+    """A sortable, unique-enough id: ``20260101-120000-ab12``."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+@dataclass
+class CaptureRequest:
+    """One capture: skip N iterations then record M, or record D milliseconds.
+
+    ``start_at``, when set, is an absolute iteration number (the agent's own count) to start
+    at; ``aiprof trigger`` uses it to make every rank record the same iterations.
+    ``wait_ms``: if no iteration boundary is seen this long after the request arrives, record
+    ``duration_ms`` on the main thread instead (None = wait for iterations forever).
+    """
+
+    out: str = "aiprof-captures"
+    capture_id: str = field(default_factory=new_capture_id)
+    what: tuple[str, ...] = DEFAULT_WHAT
+    skip: int = 0
+    iterations: int | None = None
+    duration_ms: int | None = None
+    start_at: int | None = None
+    wait_ms: int | None = None
+    warmup: bool = True
+    hw_interval_ms: int = 100
+    max_trace_mb: int = DEFAULT_MAX_TRACE_MB
+    entry: str | None = None
+
+    def normalised(self) -> "CaptureRequest":
+        """Validate and clamp every field; returns self. Raises RequestError on nonsense."""
+        self.what = parse_what(self.what)
+        if self.skip < 0:
+            raise RequestError("--skip must be >= 0")
+        if self.iterations is not None:
+            if self.iterations < 1:
+                raise RequestError("--iterations must be >= 1")
+            self.iterations = min(int(self.iterations), MAX_ITERATIONS)
+        if self.duration_ms is not None:
+            if self.duration_ms <= 0:
+                raise RequestError("--duration-ms must be > 0")
+            self.duration_ms = max(MIN_DURATION_MS, min(int(self.duration_ms), MAX_DURATION_MS))
+        if self.iterations is None and self.duration_ms is None:
+            self.iterations = 3
+        if self.wait_ms is not None and self.wait_ms < 0:
+            raise RequestError("--wait-ms must be >= 0")
+        self.hw_interval_ms = max(10, min(int(self.hw_interval_ms), 10_000))
+        self.max_trace_mb = max(1, int(self.max_trace_mb))
+        if self.entry is not None and ":" not in self.entry:
+            raise RequestError(f"--entry {self.entry!r} must look like module:qualname")
+        if not self.capture_id or "/" in self.capture_id or self.capture_id.startswith("."):
+            raise RequestError(f"bad capture id {self.capture_id!r}")
+        return self
+
+    @property
+    def fallback_duration_ms(self) -> int:
+        """How long a time-based capture lasts when no iteration is seen."""
+        return self.duration_ms if self.duration_ms is not None else DEFAULT_DURATION_MS
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        d = dataclasses.asdict(self)
+        d["what"] = list(self.what)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CaptureRequest":
+        """Build from a dict, ignoring unknown keys (newer CLI, older agent)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        req = cls(**{k: v for k, v in d.items() if k in names})
+        if isinstance(req.what, list):
+            req.what = tuple(req.what)
+        return req.normalised()
+
+
+def runtime_dir(uid: int | None = None) -> str:
+    """The per-user folder of agent control sockets: ``$AIPROF_RUNTIME_DIR`` or /tmp/aiprof-<uid>."""
+    env = os.environ.get("AIPROF_RUNTIME_DIR")
+    if env:
+        return env
+    return os.path.join("/tmp", f"aiprof-{os.getuid() if uid is None else uid}")

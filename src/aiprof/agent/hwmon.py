@@ -1,0 +1,304 @@
+"""Hardware sampler: a daemon thread that samples GPU (NVML, GPM), host and InfiniBand counters.
+
+Runs only during a capture. Every sample is ``(unix_ns, device, metric, value)``; the capture
+driver shifts the times onto the trace clock when it writes ``hw.csv`` (long format, one value
+per row; docs/capture.md lists every metric and its unit).
+
+Sources, each skipped quietly when missing (no GPU in CI, no psutil, no /sys/class/infiniband):
+- NVML (nvidia-ml-py): utilisation, SM clock, power, memory used every tick; NVLink byte
+  counters as rates; PCIe throughput only where GPM is not there (that query blocks ~20 ms).
+- GPM (Hopper+): SM util, occupancy, tensor util, DRAM bandwidth, PCIe and NVLink rates over a
+  window of at least 100 ms (shorter windows read as zeros on H200).
+- psutil: system CPU %, this process's CPU %, system memory used, process RSS.
+- /sys/class/infiniband/*/ports/*/counters: port_{xmit,rcv}_data as bytes/s.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from aiprof.agent import log
+
+Sample = tuple[int, str, str, float]
+MAX_SAMPLES = 200_000
+GPM_MIN_WINDOW_S = 0.1
+
+# GPM metric id name -> our column name (ids resolved lazily from pynvml)
+_GPM_METRICS = {
+    "NVML_GPM_METRIC_SM_UTIL": "gpm_sm_util_pct",
+    "NVML_GPM_METRIC_SM_OCCUPANCY": "gpm_sm_occupancy_pct",
+    "NVML_GPM_METRIC_ANY_TENSOR_UTIL": "gpm_tensor_util_pct",
+    "NVML_GPM_METRIC_DRAM_BW_UTIL": "gpm_dram_bw_util_pct",
+    "NVML_GPM_METRIC_GRAPHICS_UTIL": "gpm_graphics_util_pct",
+    "NVML_GPM_METRIC_PCIE_TX_PER_SEC": "gpm_pcie_tx_MBps",
+    "NVML_GPM_METRIC_PCIE_RX_PER_SEC": "gpm_pcie_rx_MBps",
+    "NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC": "gpm_nvlink_tx_MBps",
+    "NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC": "gpm_nvlink_rx_MBps",
+}
+
+
+class _Gpu:
+    """NVML state for one GPU."""
+
+    def __init__(self, nvml: Any, handle: Any, label: str) -> None:
+        self.N = nvml
+        self.h = handle
+        self.label = label
+        self.gpm_ids: list[tuple[int, str]] = []
+        self.gpm_prev: Any = None
+        self.gpm_prev_t = 0.0
+        self.gpm_spare: Any = None
+        self.nvlink_prev: tuple[float, float, float] | None = None
+        self.broken: set[str] = set()
+        try:
+            if nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice:
+                for name, col in _GPM_METRICS.items():
+                    mid = getattr(nvml, name, None)
+                    if mid is not None:
+                        self.gpm_ids.append((mid, col))
+                self.gpm_prev = nvml.nvmlGpmSampleAlloc()
+                self.gpm_spare = nvml.nvmlGpmSampleAlloc()
+                nvml.nvmlGpmSampleGet(handle, self.gpm_prev)
+                self.gpm_prev_t = time.perf_counter()
+        except Exception:
+            self.gpm_ids = []
+
+    def _try(self, name: str, fn: Any) -> Any:
+        if name in self.broken:
+            return None
+        try:
+            return fn()
+        except Exception:
+            self.broken.add(name)  # not supported on this GPU/driver: stop asking
+            return None
+
+    def sample(self, out: list[Sample], t_ns: int) -> None:
+        N, h, d = self.N, self.h, self.label
+        u = self._try("util", lambda: N.nvmlDeviceGetUtilizationRates(h))
+        if u is not None:
+            out.append((t_ns, d, "gpu_util_pct", float(u.gpu)))
+            out.append((t_ns, d, "mem_util_pct", float(u.memory)))
+        v = self._try("clock", lambda: N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM))
+        if v is not None:
+            out.append((t_ns, d, "sm_clock_mhz", float(v)))
+        v = self._try("power", lambda: N.nvmlDeviceGetPowerUsage(h))
+        if v is not None:
+            out.append((t_ns, d, "power_w", v / 1000.0))
+        m = self._try("mem", lambda: N.nvmlDeviceGetMemoryInfo(h))
+        if m is not None:
+            out.append((t_ns, d, "mem_used_bytes", float(m.used)))
+        self._nvlink(out, t_ns)
+        if self.gpm_ids:
+            self._gpm(out, t_ns)
+        else:
+            for key, col in (("NVML_PCIE_UTIL_TX_BYTES", "pcie_tx_MBps"), ("NVML_PCIE_UTIL_RX_BYTES", "pcie_rx_MBps")):
+                v = self._try(col, lambda key=key: N.nvmlDeviceGetPcieThroughput(h, getattr(N, key)))
+                if v is not None:
+                    out.append((t_ns, d, col, v / 1000.0))  # NVML gives KB/s
+
+    def _nvlink(self, out: list[Sample], t_ns: int) -> None:
+        N = self.N
+        ids = [getattr(N, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", None), getattr(N, "NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", None)]
+        if None in ids or "nvlink" in self.broken:
+            return
+        try:
+            vals = N.nvmlDeviceGetFieldValues(self.h, ids)
+            if any(v.nvmlReturn != 0 for v in vals):
+                self.broken.add("nvlink")
+                return
+            tx, rx = float(vals[0].value.ullVal), float(vals[1].value.ullVal)  # KiB, cumulative
+        except Exception:
+            self.broken.add("nvlink")
+            return
+        now = time.perf_counter()
+        if self.nvlink_prev is not None:
+            t0, tx0, rx0 = self.nvlink_prev
+            dt = now - t0
+            if dt > 0:
+                out.append((t_ns, self.label, "nvlink_tx_MBps", (tx - tx0) * 1024 / 1e6 / dt))
+                out.append((t_ns, self.label, "nvlink_rx_MBps", (rx - rx0) * 1024 / 1e6 / dt))
+        self.nvlink_prev = (now, tx, rx)
+
+    def _gpm(self, out: list[Sample], t_ns: int) -> None:
+        N = self.N
+        now = time.perf_counter()
+        if now - self.gpm_prev_t < GPM_MIN_WINDOW_S:
+            return
+        try:
+            N.nvmlGpmSampleGet(self.h, self.gpm_spare)
+            mg = N.c_nvmlGpmMetricsGet_t()
+            mg.version = N.NVML_GPM_METRICS_GET_VERSION
+            mg.numMetrics = len(self.gpm_ids)
+            mg.sample1 = self.gpm_prev
+            mg.sample2 = self.gpm_spare
+            for i, (mid, _) in enumerate(self.gpm_ids):
+                mg.metrics[i].metricId = mid
+            N.nvmlGpmMetricsGet(mg)
+            for i, (_, col) in enumerate(self.gpm_ids):
+                if mg.metrics[i].nvmlReturn == 0:
+                    out.append((t_ns, self.label, col, float(mg.metrics[i].value)))
+            self.gpm_prev, self.gpm_spare = self.gpm_spare, self.gpm_prev
+            self.gpm_prev_t = now
+        except Exception as exc:
+            log.error("GPM sampling", exc)
+            self.gpm_ids = []
+
+    def close(self) -> None:
+        for s in (self.gpm_prev, self.gpm_spare):
+            if s is not None:
+                try:
+                    self.N.nvmlGpmSampleFree(s)
+                except Exception:
+                    pass
+
+
+def _ib_ports() -> list[tuple[str, str]]:
+    """(label, counters dir) of every InfiniBand/RoCE port, [] when there is none."""
+    base = "/sys/class/infiniband"
+    out: list[tuple[str, str]] = []
+    try:
+        for dev in sorted(os.listdir(base)):
+            ports = os.path.join(base, dev, "ports")
+            for port in sorted(os.listdir(ports)):
+                cdir = os.path.join(ports, port, "counters")
+                if os.path.exists(os.path.join(cdir, "port_xmit_data")):
+                    out.append((f"ib:{dev}:{port}", cdir))
+    except OSError:
+        pass
+    return out
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+class HwSampler:
+    """Samples until :meth:`stop`; samples are kept in memory (bounded) and returned by stop."""
+
+    def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None) -> None:
+        self.interval = max(0.01, interval_ms / 1000.0)
+        self.gpu_uuids = gpu_uuids or []
+        self.samples: list[Sample] = []
+        self.sources: list[str] = []
+        self.notes: list[str] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gpus: list[_Gpu] = []
+        self._nvml: Any = None
+        self._proc: Any = None
+        self._psutil: Any = None
+        self._ib: list[tuple[str, str]] = []
+        self._ib_prev: dict[str, tuple[float, int, int]] = {}
+
+    def _setup(self) -> None:
+        try:
+            import psutil
+
+            self._psutil = psutil
+            self._proc = psutil.Process()
+            psutil.cpu_percent(None)  # first call primes the counters
+            self._proc.cpu_percent(None)
+            self.sources.append("psutil")
+        except Exception as exc:
+            self.notes.append(f"host CPU/memory not sampled: {type(exc).__name__}: {exc}")
+        if self.gpu_uuids:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml
+                for i, uuid in enumerate(self.gpu_uuids):
+                    h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+                    self._gpus.append(_Gpu(pynvml, h, f"gpu{pynvml.nvmlDeviceGetIndex(h)}"))
+                self.sources.append("nvml")
+                if any(g.gpm_ids for g in self._gpus):
+                    self.sources.append("gpm")
+            except Exception as exc:
+                self.notes.append(f"NVML not sampled: {type(exc).__name__}: {exc}")
+        else:
+            self.notes.append("no CUDA device in use: GPU counters not sampled")
+        self._ib = _ib_ports()
+        if self._ib:
+            self.sources.append("infiniband")
+
+    def start(self) -> None:
+        """Start the sampling thread (returns at once)."""
+        self._thread = threading.Thread(target=self._run, name="aiprof-hwmon", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> list[Sample]:
+        """Stop sampling, wait (bounded) for the thread, and return the samples."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.samples
+
+    def _run(self) -> None:
+        try:
+            self._setup()
+            next_t = time.perf_counter()
+            while not self._stop.is_set() and len(self.samples) < MAX_SAMPLES:
+                self.sample_once()
+                next_t += self.interval
+                delay = next_t - time.perf_counter()
+                if delay < 0:  # fell behind (slow NVML call): don't try to catch up
+                    next_t = time.perf_counter()
+                    delay = 0.0
+                self._stop.wait(delay)
+            self.sample_once()
+        except Exception as exc:
+            log.error("hardware sampler", exc)
+        finally:
+            for g in self._gpus:
+                g.close()
+            if self._nvml is not None:
+                try:
+                    self._nvml.nvmlShutdown()
+                except Exception:
+                    pass
+
+    def sample_once(self) -> None:
+        """Take one sample of every source into ``self.samples``."""
+        t_ns = time.time_ns()
+        out = self.samples
+        ps = self._psutil
+        if ps is not None:
+            try:
+                out.append((t_ns, "host", "cpu_util_pct", float(ps.cpu_percent(None))))
+                out.append((t_ns, "host", "proc_cpu_pct", float(self._proc.cpu_percent(None))))
+                vm = ps.virtual_memory()
+                out.append((t_ns, "host", "mem_used_bytes", float(vm.total - vm.available)))
+                out.append((t_ns, "host", "proc_rss_bytes", float(self._proc.memory_info().rss)))
+            except Exception as exc:
+                log.error("host sampling", exc)
+                self._psutil = None
+        for g in self._gpus:
+            g.sample(out, t_ns)
+        now = time.perf_counter()
+        for label, cdir in self._ib:
+            tx = _read_int(os.path.join(cdir, "port_xmit_data"))
+            rx = _read_int(os.path.join(cdir, "port_rcv_data"))
+            if tx is None or rx is None:
+                continue
+            prev = self._ib_prev.get(label)
+            if prev is not None and now > prev[0]:
+                dt = now - prev[0]
+                # port_*_data counts 4-byte words
+                out.append((t_ns, label, "ib_tx_MBps", (tx - prev[1]) * 4 / 1e6 / dt))
+                out.append((t_ns, label, "ib_rx_MBps", (rx - prev[2]) * 4 / 1e6 / dt))
+            self._ib_prev[label] = (now, tx, rx)
+
+
+def write_csv(path: str, samples: list[Sample], offset_us: float) -> int:
+    """Write samples as ``ts_us,device,metric,value`` with ts on the trace clock; returns rows."""
+    with open(path, "w") as f:
+        f.write("ts_us,device,metric,value\n")
+        for t_ns, dev, metric, value in samples:
+            f.write(f"{t_ns / 1000.0 + offset_us:.3f},{dev},{metric},{value:.6g}\n")
+    return len(samples)

@@ -1,0 +1,233 @@
+"""Getting the agent into a running CPython: ``sys.remote_exec`` (3.14+) or a shim library.
+
+Methods, first that applies:
+
+1. Python 3.14+: the target's own interpreter runs ``sys.remote_exec(pid, script)``.
+2. 3.10+: the shim (shim.c, built once with the system C compiler and cached) is loaded into
+   the target by pyinjector (a ptrace-based ``dlopen``); its constructor schedules the script
+   with ``Py_AddPendingCall``.
+3. Same shim, loaded by ``gdb -p PID -batch -ex 'call (void*)dlopen(...)'`` when pyinjector is
+   not installed.
+
+The script (written next to the shim copy) adds our package to the target's sys.path, starts
+the agent (:func:`aiprof.agent.bootstrap.start_attached`) and writes a status file, which
+:func:`inject_agent` waits for (bounded). Every attach uses fresh file names, because dlopen
+of a path already loaded would not run the constructor again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiprof.attach.launch import package_dir
+from aiprof.attach.procs import AttachError, ProcessInfo, check_ptrace_allowed
+
+SCRIPT = """\
+# written by aiprof attach; runs on the target's main thread
+import json as _json, os as _os, sys as _sys
+_cfg = _json.loads({cfg!r})
+try:
+    if "aiprof.agent.bootstrap" not in _sys.modules:
+        _sys.path.insert(0, _cfg["lib"])
+        try:
+            import aiprof.agent.bootstrap
+        finally:
+            if _cfg["lib"] in _sys.path:
+                _sys.path.remove(_cfg["lib"])
+    _sys.modules["aiprof.agent.bootstrap"].start_attached(_cfg)
+except BaseException as _e:
+    try:
+        with open(_cfg["status_path"], "w") as _f:
+            _f.write(_json.dumps({{"ok": False, "pid": _os.getpid(), "error": "agent import failed: %s: %s" % (type(_e).__name__, _e)}}))
+    except Exception:
+        pass
+"""
+
+
+@dataclass
+class InjectResult:
+    """What one injection did."""
+
+    pid: int
+    method: str
+    status: dict[str, Any]
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    d = os.path.join(base, "aiprof")
+    try:
+        os.makedirs(d, exist_ok=True)
+        return d
+    except OSError:
+        d = os.path.join(tempfile.gettempdir(), f"aiprof-cache-{os.getuid()}")
+        os.makedirs(d, exist_ok=True)
+        return d
+
+
+def shim_source() -> str:
+    return os.path.join(package_dir(), "attach", "shim.c")
+
+
+def build_shim() -> str:
+    """Compile shim.c once per source version (cached); returns the .so path."""
+    src = shim_source()
+    with open(src, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    out = os.path.join(_cache_dir(), f"shim-{digest}.so")
+    if os.path.exists(out):
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise AttachError("no C compiler (cc, gcc or clang) to build the injection shim; install one, "
+                          "or attach to Python 3.14+ (sys.remote_exec needs none)")
+    tmp = out + f".{os.getpid()}.tmp"
+    r = subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", tmp, src, "-ldl"], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise AttachError(f"building the injection shim failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    os.replace(tmp, out)
+    return out
+
+
+def lib_dir(rt: str) -> str:
+    """A folder holding only an ``aiprof`` link to this package (what the target imports)."""
+    d = os.path.join(rt, "lib")
+    os.makedirs(d, exist_ok=True)
+    link = os.path.join(d, "aiprof")
+    want = package_dir()
+    if not (os.path.islink(link) and os.readlink(link) == want):
+        tmp = link + f".{os.getpid()}"
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        os.symlink(want, tmp)
+        os.replace(tmp, link)
+    os.chmod(rt, 0o711)  # let a target of another uid reach lib/ (sockets stay 0600)
+    return d
+
+
+def _stage(info: ProcessInfo, rt: str, agent_rt: str, entry: str | None) -> tuple[str, str, str]:
+    """Write the shim copy, script and status path for one target; returns (so, py, status)."""
+    stage = os.path.join(rt, "attach")
+    os.makedirs(stage, mode=0o711, exist_ok=True)
+    stem = os.path.join(stage, f"attach-{info.pid}-{secrets.token_hex(4)}")
+    so, py, status = stem + ".so", stem + ".py", stem + ".status.json"
+    if any(c in stem for c in "'\\\"\n"):
+        raise AttachError(f"runtime folder path {rt!r} has quotes or backslashes; set AIPROF_RUNTIME_DIR")
+    cfg = {"lib": lib_dir(rt), "status_path": status, "runtime_dir": agent_rt, "entry": entry}
+    with open(py, "w") as f:
+        f.write(SCRIPT.format(cfg=json.dumps(cfg)))
+    os.chmod(py, 0o644)
+    if info.version is None or info.version < (3, 14):
+        shutil.copyfile(build_shim(), so)
+        os.chmod(so, 0o755)
+    # the agent (maybe another uid) writes the status file: let it create files here
+    os.chmod(stage, 0o1777)
+    return so, py, status
+
+
+def _inject_remote_exec(info: ProcessInfo, py: str) -> None:
+    exe = info.exe or "python3"
+    r = subprocess.run([exe, "-I", "-S", "-c", f"import sys; sys.remote_exec({info.pid}, {py!r})"],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise AttachError(f"{info.label}: sys.remote_exec failed: {(r.stderr or '').strip().splitlines()[-1:]}")
+
+
+def _inject_pyinjector(info: ProcessInfo, so: str) -> None:
+    import pyinjector  # type: ignore[import-not-found]
+
+    try:
+        pyinjector.inject(info.pid, so)
+    except Exception as exc:
+        msg = str(exc).splitlines()[0]
+        if "permission" in msg.lower() or "-8" in msg or "EPERM" in msg:
+            check_ptrace_allowed(info)
+            raise AttachError(f"{info.label}: ptrace was refused (EPERM): needs CAP_SYS_PTRACE, or the "
+                              "container/seccomp forbids ptrace (docker: --cap-add SYS_PTRACE)") from exc
+        raise AttachError(f"{info.label}: library injection failed: {msg}") from exc
+
+
+def _inject_gdb(info: ProcessInfo, so: str, gdb: str) -> None:
+    r = subprocess.run([gdb, "-p", str(info.pid), "-batch", "-nx", "-ex", f'call (void*)dlopen("{so}", 2)'],
+                       capture_output=True, text=True, timeout=60)
+    out = (r.stdout + r.stderr)
+    if "ptrace: Operation not permitted" in out:
+        check_ptrace_allowed(info)
+        raise AttachError(f"{info.label}: ptrace was refused: needs CAP_SYS_PTRACE (or ptrace_scope/seccomp forbid it)")
+    if r.returncode != 0 or "$1 = (void *) 0x0" in out:
+        raise AttachError(f"{info.label}: gdb could not load the shim: {out.strip().splitlines()[-1:]}")
+
+
+def available_methods(version: tuple[int, int] | None) -> list[str]:
+    """Injection methods usable here for a target of this Python version, best first."""
+    out = []
+    if version is not None and version >= (3, 14):
+        out.append("remote_exec")
+    try:
+        import pyinjector  # noqa: F401  # type: ignore[import-not-found]
+
+        out.append("pyinjector")
+    except Exception:
+        pass
+    if shutil.which("gdb"):
+        out.append("gdb")
+    return out
+
+
+def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry: str | None = None,
+                 timeout: float = 15.0, method: str | None = None) -> InjectResult:
+    """Load and start the agent in ``info.pid``; waits (bounded) for its status file.
+
+    ``rt``: our runtime folder (staging); ``agent_rt``: where the agent puts its control socket.
+    """
+    methods = available_methods(info.version)
+    if method:
+        if method not in methods:
+            raise AttachError(f"injection method {method!r} is not available here (have: {', '.join(methods) or 'none'})")
+        methods = [method]
+    if not methods:
+        raise AttachError("no injection method available: pip install pyinjector (or install gdb)")
+    so, py, status_path = _stage(info, rt, agent_rt or rt, entry)
+    m = methods[0]
+    started = False
+    try:
+        if m == "remote_exec":
+            _inject_remote_exec(info, py)
+        elif m == "pyinjector":
+            _inject_pyinjector(info, so)
+        else:
+            _inject_gdb(info, so, shutil.which("gdb") or "gdb")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(status_path):
+                started = True
+                with open(status_path) as f:
+                    status = json.load(f)
+                if not status.get("ok"):
+                    raise AttachError(f"{info.label}: {status.get('error')}")
+                return InjectResult(info.pid, m, status)
+            if not os.path.exists(f"/proc/{info.pid}"):
+                raise AttachError(f"{info.label} exited during attach")
+            time.sleep(0.05)
+        raise AttachError(f"{info.label}: the agent did not start within {timeout:.0f} s: its main thread ran no "
+                          "Python code (blocked in a C call or sleeping?)")
+    except AttachError:
+        started = started or not os.path.exists(f"/proc/{info.pid}")
+        raise
+    finally:
+        # a script not yet run stays: the pending call may still run it later
+        for p in ((so, py, status_path) if started else (so,)):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass

@@ -1,0 +1,90 @@
+"""``aiprof run``: start a command with the agent preloaded in every Python process it spawns.
+
+The preload is a private boot folder put first on PYTHONPATH, holding ``sitecustomize.py``
+(a copy of :mod:`aiprof.agent.preload`) and an ``aiprof`` link to this package, so the job's
+interpreters (torchrun's ranks included, whatever venv they use) find our agent and nothing
+else of our environment. Settings travel in ``$AIPROF_AGENT`` (JSON).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from typing import Any
+
+import aiprof
+from aiprof.agent.config import CaptureRequest
+from aiprof.errors import AiprofError
+
+
+def package_dir() -> str:
+    """The folder of the ``aiprof`` package this CLI runs from."""
+    return os.path.dirname(os.path.abspath(aiprof.__file__))
+
+
+def make_boot_dir(parent: str | None = None) -> str:
+    """Create a boot folder with our sitecustomize and an ``aiprof`` link; returns its path."""
+    d = tempfile.mkdtemp(prefix="aiprof-boot-", dir=parent)
+    os.chmod(d, 0o755)  # the job may run as another user (sudo -u ...)
+    src = os.path.join(package_dir(), "agent", "preload.py")
+    shutil.copyfile(src, os.path.join(d, "sitecustomize.py"))
+    os.symlink(package_dir(), os.path.join(d, "aiprof"))
+    return d
+
+
+def agent_env(boot_dir: str, request: CaptureRequest | None, entry: str | None, rt: str | None,
+              base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for the job: PYTHONPATH with the boot folder first, AIPROF_AGENT set."""
+    env = dict(os.environ if base is None else base)
+    old = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = boot_dir + (os.pathsep + old if old else "")
+    cfg: dict[str, Any] = {"request": request.to_dict() if request else None, "entry": entry}
+    if rt:
+        cfg["runtime_dir"] = rt
+        env["AIPROF_RUNTIME_DIR"] = rt
+    env["AIPROF_AGENT"] = json.dumps(cfg)
+    return env
+
+
+def run_with_agent(cmd: list[str], request: CaptureRequest | None, entry: str | None = None,
+                   rt: str | None = None) -> int:
+    """Run ``cmd`` with the agent preloaded; forwards SIGINT/SIGTERM; returns its exit code."""
+    if not cmd:
+        raise AiprofError("nothing to run: give a command after --, e.g. aiprof run -- python train.py")
+    if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
+        raise AiprofError(f"command not found: {cmd[0]}")
+    boot = make_boot_dir()
+    try:
+        env = agent_env(boot, request, entry, rt)
+        try:
+            proc = subprocess.Popen(cmd, env=env)
+        except OSError as exc:
+            raise AiprofError(f"cannot start {cmd[0]}: {exc.strerror or exc}") from exc
+
+        def forward(signum: int, _frame: Any) -> None:
+            try:
+                proc.send_signal(signum)
+            except OSError:
+                pass
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            rc = proc.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        return rc if rc >= 0 else 128 - rc
+    finally:
+        shutil.rmtree(boot, ignore_errors=True)
+
+
+def list_rank_dirs(out: str, capture_id: str) -> list[str]:
+    """``<out>/<capture-id>/rank*`` folders that hold a finished capture (meta.json)."""
+    base = os.path.join(out, capture_id)
+    if not os.path.isdir(base):
+        return []
+    return sorted(os.path.join(base, d) for d in os.listdir(base)
+                  if d.startswith("rank") and os.path.exists(os.path.join(base, d, "meta.json")))

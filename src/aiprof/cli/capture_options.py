@@ -1,0 +1,48 @@
+"""Capture options shared by ``aiprof run``, ``attach`` and ``trigger``."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from aiprof.agent.config import WHAT_LEVELS, CaptureRequest, RequestError, new_capture_id
+from aiprof.errors import UsageError
+
+
+def add_capture_options(p: argparse.ArgumentParser, wait_default: int | None) -> None:
+    """Add --skip/--iterations/--duration-ms/--what/--out/... to a verb's parser."""
+    g = p.add_argument_group("capture")
+    g.add_argument("--skip", type=int, default=None, metavar="N", help="iterations to let pass before recording")
+    g.add_argument("--iterations", "-n", type=int, default=None, metavar="M", help="iterations to record (default 3)")
+    g.add_argument("--duration-ms", type=int, default=None, metavar="D",
+                   help="record D ms instead (at iteration boundaries if iterations run, else on the main thread)")
+    g.add_argument("--what", default=None, metavar="LEVELS",
+                   help=f"comma list of {','.join(WHAT_LEVELS)} or all (default kernels,hw)")
+    g.add_argument("--entry", default=None, metavar="MODULE:QUALNAME",
+                   help="count calls of this function as iterations (e.g. __main__:train_step, "
+                        "vllm.engine.llm_engine:LLMEngine.step) instead of optimizer steps")
+    g.add_argument("--out", default="aiprof-captures", metavar="DIR", help="captures go to DIR/<capture-id>/rank<R>/")
+    g.add_argument("--capture-id", default=None, help="name of the capture folder (default: time + random)")
+    g.add_argument("--wait-ms", type=int, default=wait_default, metavar="MS",
+                   help="if no iteration is seen for MS, record --duration-ms (default 2000) on the main thread"
+                        + ("" if wait_default is None else f" (default {wait_default})"))
+    g.add_argument("--hw-interval-ms", type=int, default=100, metavar="MS", help="hardware sample period (default 100)")
+    g.add_argument("--max-trace-mb", type=int, default=512, metavar="MB", help="largest trace.json.gz kept")
+    g.add_argument("--no-warmup", action="store_true", help="do not prepare the profiler one iteration early")
+
+
+def has_capture_options(args: argparse.Namespace) -> bool:
+    """True if the user asked for a capture (any of skip/iterations/duration)."""
+    return any(getattr(args, k) is not None for k in ("skip", "iterations", "duration_ms"))
+
+
+def request_from_args(args: argparse.Namespace) -> CaptureRequest:
+    """Build a validated CaptureRequest from parsed options (out made absolute)."""
+    try:
+        return CaptureRequest(
+            out=os.path.abspath(args.out), capture_id=args.capture_id or new_capture_id(),
+            what=args.what, skip=args.skip or 0, iterations=args.iterations, duration_ms=args.duration_ms,
+            wait_ms=args.wait_ms, warmup=not args.no_warmup, hw_interval_ms=args.hw_interval_ms,
+            max_trace_mb=args.max_trace_mb, entry=args.entry,
+        ).normalised()
+    except RequestError as exc:
+        raise UsageError(str(exc)) from exc

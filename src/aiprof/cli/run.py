@@ -1,0 +1,39 @@
+"""``aiprof run [options] -- CMD...``: run CMD with the agent preloaded in its Python processes.
+
+With capture options (``--skip 10 --iterations 5``, ``--duration-ms 2000``) every process that
+trains captures once; without them the agents wait for ``aiprof trigger``. Exits with CMD's
+exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from aiprof.cli.capture_options import add_capture_options, has_capture_options, request_from_args
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="run a command with the capture agent preloaded",
+                              description=__doc__.splitlines()[0])
+    add_capture_options(p, wait_default=None)
+    p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command to run")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiprof.attach.launch import list_rank_dirs, run_with_agent
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    req = request_from_args(args)
+    capture = has_capture_options(args)
+    rc = run_with_agent(cmd, req if capture else None, entry=args.entry)
+    if capture:
+        dirs = list_rank_dirs(req.out, req.capture_id)
+        if dirs:
+            print(f"aiprof: capture {req.capture_id}: " + ", ".join(dirs), file=sys.stderr)
+        else:
+            print(f"aiprof: no capture was written to {req.out}/{req.capture_id} "
+                  "(did the job run enough iterations?)", file=sys.stderr)
+    return rc
