@@ -1,1 +1,1 @@
-
+"""Timeline exports of a capture: Perfetto protobuf (``perfetto``) and Chrome JSON (``chrome``)."""
