@@ -52,3 +52,244 @@ def kernel_stats(rt: RankTrace, top: int | None = None) -> list[KernelStat]:
             share_pct=100.0 * float(totals[c]) / total_all,
         ))
     return out
+
+
+# ---------------------------------------------------------------- families, tensor cores, precision
+# A kernel name is a matmul/conv (tensor-core candidate) when it contains one of these.
+_MATMUL_WORDS = ("gemm", "gemv", "matmul", "cutlass", "cublas", "nvjet", "wgmma", "xmma", "hmma",
+                 "convolution", "convolve", "conv2d", "conv3d", "conv1d", "_conv_", "sdpa", "flash",
+                 "fmha", "attention", "dgrad", "wgrad", "mma_")
+# ...but not these (cuDNN helper kernels whose names contain the words above)
+_NOT_MATMUL_WORDS = ("convert_", "dq_to_")
+# Tensor-core signatures in cuBLAS/cuDNN/CUTLASS/Triton kernel names (SM70+).
+_TENSOR_CORE_WORDS = ("tensorop", "wgmma", "hmma", "imma", "xmma", "mma_", "s16816", "h16816",
+                      "s1688", "h1688", "i8816", "nvjet", "sm90_", "sm80_", "sm100_", "tf32",
+                      "flash", "fmha", "bf16", "fp16", "f16", "e4m3", "e5m2", "fp8", "int8")
+_NON_TC_WORDS = ("sgemm", "gemv", "gemmsn", "dot_kernel", "gemvx", "gemv2")
+# precision tokens, most specific first (a name says bf16 and also contains f16)
+_PRECISION_TOKENS = (("fp8", ("e4m3", "e5m2", "fp8", "f8")), ("int8", ("int8", "i8816", "imma", "s8")),
+                     ("bf16", ("bf16", "bfloat16")), ("tf32", ("tf32",)),
+                     ("fp16", ("fp16", "f16", "half", "h16816", "h1688", "hgemm", "hmma")),
+                     ("fp32", ("sgemm", "fp32", "f32", "float")))
+_DTYPE_PRECISION = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "double": "fp64",
+                    "c10::Float8_e4m3fn": "fp8", "c10::Float8_e5m2": "fp8", "signed char": "int8",
+                    "c10::qint8": "int8", "c10::Float8_e4m3fnuz": "fp8", "c10::Float8_e5m2fnuz": "fp8"}
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+              "aten::convolution", "aten::cudnn_convolution", "aten::_convolution", "aten::addbmm",
+              "aten::_scaled_dot_product", "aten::linear", "aten::matmul", "aten::conv")
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's family: its name without template arguments and parameters."""
+    n = name[5:] if name.startswith("void ") else name
+    n = n.replace("(anonymous namespace)::", "")
+    cut = len(n)
+    for ch in "<(":
+        i = n.find(ch)
+        if 0 < i < cut:
+            cut = i
+    fam = n[:cut].strip()
+    # cuBLAS/cutlass names carry the tile shape; keep the library and precision part
+    if fam.startswith("cutlass::Kernel") and "<" in n:
+        inner = n[n.find("<") + 1:].split("_")
+        fam = "cutlass " + "_".join(inner[:3])
+    elif fam.startswith("nvjet_"):
+        fam = "nvjet (cuBLAS)"
+    elif fam.startswith(("cudnn_generated", "sm90_xmma", "sm80_xmma")):
+        fam = fam.split("_kernel")[0]
+    return fam
+
+
+def is_matmul_kernel(name: str) -> bool:
+    """True for matmul, convolution and attention kernels (by name)."""
+    n = name.lower()
+    return any(w in n for w in _MATMUL_WORDS) and not any(w in n for w in _NOT_MATMUL_WORDS)
+
+
+def is_tensor_core_kernel(name: str) -> bool:
+    """Matmul/conv kernel that uses tensor cores, judged from its name (see docs/metrics.md)."""
+    n = name.lower()
+    if not is_matmul_kernel(n):
+        return False
+    if any(w in n for w in _NON_TC_WORDS) and "tf32" not in n:
+        return False
+    return any(w in n for w in _TENSOR_CORE_WORDS)
+
+
+def kernel_precision(name: str) -> str:
+    """Precision of a matmul kernel from its name ("" when the name does not say)."""
+    n = name.lower()
+    for prec, toks in _PRECISION_TOKENS:
+        if any(t in n for t in toks):
+            return prec
+    return ""
+
+
+@dataclass
+class OpKernels:
+    """GPU time grouped by the torch op that launched it."""
+
+    op: str
+    kernels: int
+    gpu_us: float
+    share_pct: float
+
+
+@dataclass
+class KernelAnalysis:
+    """Kernel-level facts of one rank (see docs/metrics.md, "Kernels")."""
+
+    gpu_time_us: float  # summed kernel durations
+    compute_us: float
+    communication_us: float
+    matmul_us: float
+    tensor_core_us: float
+    tensor_core_pct_of_compute: float
+    non_tc_matmul_us: float
+    non_tc_matmul_kernels: list[str]  # names of matmul kernels without tensor cores, by time
+    precision_us: dict  # matmul kernel time by precision from kernel names
+    op_precision: dict  # matmul op calls by input dtype: {"bf16": calls, ...}
+    fp32_matmul_ops: list[dict]  # [{"op","calls","gpu_us"}] matmul ops with fp32 inputs
+    families: list[dict]  # [{"family","calls","total_us","share_pct_of_compute"}]
+    by_op: list[OpKernels]
+    launches_per_step: float
+    mean_kernel_us: float
+    median_kernel_us: float
+
+
+def _per_label(s, pred) -> np.ndarray:
+    return np.array([bool(pred(x)) for x in s.labels] + [False], dtype=bool)
+
+
+def kernel_analysis(rt: RankTrace, n_steps: int = 1, top: int = 15) -> KernelAnalysis:
+    """Tensor-core share, precision mix, families, per-op grouping, launch counts."""
+    k = rt.kernels
+    if not len(k):
+        return KernelAnalysis(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], {}, _op_precision(rt), [], [], [], 0.0, 0.0, 0.0)
+    names = k.strings("name")
+    dur = k["dur"].astype(np.float64)
+    comm = k.strings("cls").isin_labels(lambda s: s == "communication")
+    mm = _per_label(names, is_matmul_kernel)[names.codes] & ~comm
+    tc = _per_label(names, is_tensor_core_kernel)[names.codes] & ~comm
+    compute_ns = float(dur[~comm].sum())
+    prec_label = [kernel_precision(s) for s in names.labels] + [""]
+    prec = np.array(prec_label, dtype=object)[names.codes]
+    precision_us = {}
+    for p in sorted(set(prec[mm])):
+        precision_us[p or "unknown"] = float(dur[mm & (prec == p)].sum()) / NS_PER_US
+    nontc = mm & ~tc
+    per_name = np.bincount(names.codes[nontc], weights=dur[nontc], minlength=len(names.labels))
+    nontc_names = [names.labels[c] for c in np.argsort(-per_name)[:5] if per_name[c] > 0]
+    # families over compute kernels
+    fam_labels = [kernel_family(s) for s in names.labels]
+    fam_index: dict[str, int] = {}
+    fam_of = np.array([fam_index.setdefault(f, len(fam_index)) for f in fam_labels] + [0], dtype=np.int64)
+    fcodes = fam_of[names.codes]
+    ftot = np.bincount(fcodes[~comm], weights=dur[~comm], minlength=len(fam_index))
+    fcnt = np.bincount(fcodes[~comm], minlength=len(fam_index))
+    fam_names = list(fam_index)
+    families = [{"family": fam_names[f], "calls": int(fcnt[f]), "total_us": float(ftot[f]) / NS_PER_US,
+                 "share_pct_of_compute": 100.0 * float(ftot[f]) / compute_ns if compute_ns else 0.0}
+                for f in np.argsort(-ftot)[:top] if fcnt[f]]
+    return KernelAnalysis(
+        gpu_time_us=float(dur.sum()) / NS_PER_US, compute_us=compute_ns / NS_PER_US,
+        communication_us=float(dur[comm].sum()) / NS_PER_US, matmul_us=float(dur[mm].sum()) / NS_PER_US,
+        tensor_core_us=float(dur[tc].sum()) / NS_PER_US,
+        tensor_core_pct_of_compute=100.0 * float(dur[tc].sum()) / compute_ns if compute_ns else 0.0,
+        non_tc_matmul_us=float(dur[nontc].sum()) / NS_PER_US, non_tc_matmul_kernels=nontc_names,
+        precision_us=precision_us, op_precision=_op_precision(rt), fp32_matmul_ops=_fp32_matmul_ops(rt),
+        families=families, by_op=kernels_by_op(rt, top),
+        launches_per_step=len(k) / max(n_steps, 1),
+        mean_kernel_us=float(dur.mean()) / NS_PER_US, median_kernel_us=float(np.median(dur)) / NS_PER_US,
+    )
+
+
+def _matmul_op_mask(rt: RankTrace) -> np.ndarray:
+    o = rt.ops
+    return o.strings("name").isin_labels(lambda s: s.startswith(MATMUL_OPS) and not s.endswith("_backward")
+                                        or s.startswith("aten::_scaled_dot_product"))
+
+
+def _first_dtype(types: str) -> str:
+    t = types.strip("[]").split(",")[0].strip().strip('"')
+    return _DTYPE_PRECISION.get(t, t or "unknown")
+
+
+def _op_precision(rt: RankTrace) -> dict:
+    """Calls of leaf matmul ops (mm, addmm, bmm, conv, attention) by first input dtype."""
+    o = rt.ops
+    if not len(o) or "input_types" not in o:
+        return {}
+    leaf = o.strings("name").isin_labels(lambda s: s in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                                                        "aten::_scaled_mm", "aten::cudnn_convolution",
+                                                        "aten::convolution")
+                                        or s.startswith("aten::_scaled_dot_product"))
+    # under autocast the fp32 op is a wrapper around the bf16/fp16 op that launches the kernel:
+    # count only ops that launched GPU work (when the trace has GPU work at all)
+    launched = _launched_gpu_ns(rt)
+    if launched is not None:
+        leaf &= launched > 0
+    it = o.strings("input_types")
+    prec_of = np.array([_first_dtype(s) for s in it.labels] + [""], dtype=object)
+    p = prec_of[it.codes[leaf]]
+    vals, cnt = np.unique(p.astype(str), return_counts=True)
+    return {str(v): int(c) for v, c in zip(vals, cnt)}
+
+
+def _fp32_matmul_ops(rt: RankTrace) -> list[dict]:
+    """Leaf matmul ops whose first input is fp32, with the GPU time of their kernels."""
+    o = rt.ops
+    if not len(o) or "input_types" not in o:
+        return []
+    names = o.strings("name")
+    leaf = names.isin_labels(lambda s: s in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"))
+    it = o.strings("input_types")
+    fp32 = _per_label(it, lambda s: _first_dtype(s) == "fp32")[it.codes] & leaf
+    if not fp32.any():
+        return []
+    g = _launched_gpu_ns(rt)
+    if g is None:
+        g = np.zeros(len(o))
+    else:
+        fp32 &= g > 0  # autocast wrappers launch nothing themselves
+    cnt = np.bincount(names.codes[fp32], minlength=len(names.labels))
+    tot = np.bincount(names.codes[fp32], weights=g[fp32], minlength=len(names.labels))
+    return [{"op": names.labels[c], "calls": int(cnt[c]), "gpu_us": float(tot[c]) / NS_PER_US}
+            for c in np.argsort(-tot) if cnt[c]]
+
+
+def _launched_gpu_ns(rt: RankTrace) -> np.ndarray | None:
+    """Per op row: summed duration of the kernels carrying its External id (None: no kernels)."""
+    k, o = rt.kernels, rt.ops
+    if not len(k):
+        return None
+    ext = k["ext_id"]
+    ok = ext >= 0
+    keys, inv = np.unique(ext[ok], return_inverse=True)
+    vals = np.bincount(inv, weights=k["dur"][ok])
+    if not len(keys):
+        return np.zeros(len(o))
+    oe = o["ext_id"]
+    pos = np.clip(np.searchsorted(keys, oe), 0, len(keys) - 1)
+    return np.where(keys[pos] == oe, vals[pos], 0.0)
+
+
+def kernels_by_op(rt: RankTrace, top: int = 15) -> list[OpKernels]:
+    """Kernel time grouped by the op whose External id the kernel carries."""
+    k, o = rt.kernels, rt.ops
+    if not len(k) or not len(o):
+        return []
+    oext = o["ext_id"]
+    order = np.argsort(oext, kind="stable")
+    se = oext[order]
+    kext = k["ext_id"]
+    pos = np.clip(np.searchsorted(se, kext), 0, len(se) - 1)
+    hit = (se[pos] == kext) & (kext >= 0)
+    names = o.strings("name")
+    code = np.where(hit, names.codes[order[pos]], len(names.labels))
+    labels = names.labels + ["(no op)"]
+    tot = np.bincount(code, weights=k["dur"], minlength=len(labels))
+    cnt = np.bincount(code, minlength=len(labels))
+    all_ns = float(k["dur"].sum()) or 1.0
+    return [OpKernels(labels[c], int(cnt[c]), float(tot[c]) / NS_PER_US, 100.0 * float(tot[c]) / all_ns)
+            for c in np.argsort(-tot)[:top] if cnt[c]]
