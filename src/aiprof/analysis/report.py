@@ -10,9 +10,19 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from aiprof import __version__
+from aiprof.analysis import findings as rules
 from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
-from aiprof.analysis.kernels import KernelStat, kernel_stats
-from aiprof.analysis.steps import find_steps, window
+from aiprof.analysis.comm import comm_analysis, rank_comm_wait
+from aiprof.analysis.diff import diff_captures, diff_steps
+from aiprof.analysis.flops import flops_analysis
+from aiprof.analysis.hotspots import (HOST_CLASSES, KIND_NAMES, gpu_busy, gpu_gaps, has_gpu, hotspots, host_tree,
+                                      is_data_loading)
+from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
+from aiprof.analysis.launch import launch_rows
+from aiprof.analysis.memory import memory_from_trace
+from aiprof.analysis.runtime import runtime_analysis
+from aiprof.analysis.steps import Steps, find_steps, window
+from aiprof.trace import classify
 from aiprof.trace.store import Capture, RankTrace
 
 SCHEMA = "aiprof.report/1"
@@ -33,6 +43,13 @@ class RankReport:
     top_kernels: list[KernelStat]
     rows: dict
     options: dict = field(default_factory=dict)
+    kernels: dict = field(default_factory=dict)  # analysis.kernels.KernelAnalysis
+    runtime: dict = field(default_factory=dict)  # analysis.runtime.RuntimeAnalysis
+    hotspots: dict = field(default_factory=dict)  # analysis.hotspots.Hotspots (+ bottleneck classes)
+    communication: dict = field(default_factory=dict)  # analysis.comm.CommAnalysis
+    memory: dict = field(default_factory=dict)  # analysis.memory.MemoryAnalysis
+    flops: dict = field(default_factory=dict)  # analysis.flops.FlopsAnalysis
+    step_diff: dict | None = None  # analysis.diff.StepDiff: median step vs slowest step
 
 
 def _device(rt: RankTrace) -> dict:
@@ -65,28 +82,131 @@ def summarize(steps: list[StepBreakdown]) -> dict:
     return tot
 
 
-def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankReport:
-    """Analyse one rank."""
+def _step_of(steps: Steps):
+    def f(ts: np.ndarray) -> np.ndarray:
+        i = steps.index_of(ts)
+        return np.where(i >= 0, steps.number[np.maximum(i, 0)], -1)
+    return f
+
+
+def _pageable(rt: RankTrace) -> dict:
+    """Copies from/to pageable host memory: count, bytes, duration, by direction, largest site."""
+    m = rt.memops
+    if not len(m):
+        return {}
+    names = m.strings("name")
+    sel = names.isin_labels(lambda s: "Pageable" in classify.copy_kind(s)[1:])
+    if not sel.any():
+        return {}
+    by_kind: dict = {}
+    kinds = np.array([classify.copy_kind(s)[0] for s in names.labels] + [""], dtype=object)[names.codes]
+    for k in sorted(set(kinds[sel])):
+        mk = sel & (kinds == k)
+        by_kind[k] = {"count": int(mk.sum()), "bytes": int(np.maximum(m["bytes"][mk], 0).sum()),
+                      "dur_us": float(m["dur"][mk].sum()) / 1000.0}
+    site = ""
+    big = int(np.argmax(np.where(sel, m["dur"], -1)))
+    lr = launch_rows(rt.runtime, m.take(np.array([big])))
+    if len(lr) and lr[0] >= 0:
+        tree = host_tree(rt)
+        node = tree.runtime_node[lr[0]]
+        if node >= 0:
+            site = tree.user_site(int(node))
+    return {"count": int(sel.sum()), "bytes": int(np.maximum(m["bytes"][sel], 0).sum()),
+            "dur_us": float(m["dur"][sel].sum()) / 1000.0, "by_kind": by_kind, "site": site}
+
+
+def _host_idle_items(tree, gaps, top: int = 5) -> list[dict]:
+    """Host events with the most GPU-idle time as innermost event (not loading, not sync)."""
+    if not len(tree) or not len(gaps.start):
+        return []
+    ok = (gaps.node >= 0) & ~gaps.loading
+    codes = tree.code[gaps.node[ok]]
+    t = np.bincount(codes, weights=gaps.dur[ok], minlength=len(tree.labels))
+    out = []
+    for c in np.argsort(-t):
+        if t[c] <= 0 or len(out) >= top:
+            break
+        name = tree.labels[c]
+        if classify.is_sync_call(name):
+            continue
+        out.append({"name": name, "idle_us": float(t[c]) / 1000.0})
+    return out
+
+
+def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankReport, rules.RankFacts]:
     steps = find_steps(rt, entry)
     lo, hi = window(rt)
     breakdown = step_breakdown(rt, steps)
-    return RankReport(
+    tree = host_tree(rt)
+    gpu = has_gpu(rt)
+    gaps = gpu_gaps(rt, steps, tree, gpu_busy(rt)) if gpu else gpu_gaps(rt, Steps(steps.number[:0], steps.start[:0], steps.end[:0], steps.source), tree)
+    hs = hotspots(rt, steps, top=top)
+    classes = {c.cls: c.time_us for c in hs.classes}
+    ka = kernel_analysis(rt, len(steps), top)
+    ra = runtime_analysis(rt, step_of=_step_of(steps), top=top)
+    ca = comm_analysis(rt, int(steps.start.min()), int(steps.end.max())) if len(steps) else comm_analysis(rt)
+    precision = max(ka.precision_us, key=ka.precision_us.get) if ka.precision_us else "bf16"
+    if precision in ("unknown", ""):
+        known = {k: v for k, v in ka.precision_us.items() if k != "unknown"}
+        precision = max(known, key=known.get) if known else "bf16"
+    fa = flops_analysis(rt, steps, precision)
+    ma = memory_from_trace(rt, _step_of(steps), top=10)
+    sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
+    rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
         step_source=steps.source,
         window={"start_ns": lo, "end_ns": hi, "duration_us": (hi - lo) / 1000.0},
         steps=breakdown, summary=summarize(breakdown), top_kernels=kernel_stats(rt, top),
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
+        kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
+        memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
     )
+    facts = rules.RankFacts(
+        rank=rt.rank, steps=breakdown, gaps=gaps, tree=tree, step_numbers=steps.number,
+        host_idle_by_class=classes, diff=sd, runtime=ra, kernels=ka, comm=ca, pageable=_pageable(rt), has_gpu=gpu,
+        extra={"host_idle_items": _host_idle_items(tree, gaps)})
+    return rep, facts
+
+
+def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankReport:
+    """Analyse one rank."""
+    return _analyse_rank(rt, entry, top)[0]
+
+
+def _straggler(cap: Capture, reports: list[RankReport], facts: list[rules.RankFacts]) -> None:
+    """Cross-rank context: the rank waiting in collectives and the straggler it waits for."""
+    if len(reports) < 2:
+        return
+    comm = [r.summary.get("communication_total_us", 0.0) if r.summary else 0.0 for r in reports]
+    comp = [r.summary.get("compute_us", 0.0) if r.summary else 0.0 for r in reports]
+    w = rank_comm_wait(comm, comp)
+    if not w or min(comm) <= 0 or comm[w["waiting_rank_index"]] / min(comm) < rules.STRAGGLER_MIN_COMM_RATIO:
+        return
+    wi, si = w["waiting_rank_index"], w["straggler_rank_index"]
+    if wi == si:
+        return
+    d = diff_captures(cap.ranks[wi], cap.ranks[si], top=10_000)
+    kern = sorted((i for i in d.items if i.kind == "kernel" and i.delta_us > 0
+                   and classify.kernel_class(i.name) == classify.COMPUTE), key=lambda i: -i.delta_us)
+    extra = [{"name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls} for i in kern[:3]]
+    n = max(len(reports[wi].steps), 1)
+    facts[wi].extra["straggler"] = {
+        "waiting_rank": reports[wi].rank, "straggler_rank": reports[si].rank, "wait_us": w["wait_us"],
+        "compute_gap_us": w["compute_gap_us"], "wait_per_step_us": w["wait_us"] / n, "extra_kernels": extra}
 
 
 def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
     """The full report of a capture as a JSON-ready dict."""
-    ranks = [rank_report(rt, entry, top) for rt in cap.ranks]
+    pairs = [_analyse_rank(rt, entry, top) for rt in cap.ranks]
+    ranks = [p[0] for p in pairs]
+    facts = [p[1] for p in pairs]
+    _straggler(cap, ranks, facts)
     return {
         "schema": SCHEMA,
         "generator": {"name": "aiprof", "version": __version__},
         "capture": {"world_size": cap.world_size, "ranks_found": [r.rank for r in cap.ranks],
                     "sources": [r.source for r in cap.ranks]},
         "ranks": [asdict(r) for r in ranks],
-        "findings": [],
+        "findings": rules.findings(facts),
     }

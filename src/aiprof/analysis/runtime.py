@@ -48,6 +48,7 @@ class SyncSite:
     calls: int
     host_wait_us: float  # time the host spent blocked in these calls
     gpu_idle_after_us: float  # GPU idle from the call's return to the next GPU activity
+    stall_us: float  # sum over calls of min(host wait, GPU idle after): what removing it can save
     steps: list[int]  # step numbers where it occurred
 
 
@@ -149,8 +150,9 @@ def sync_sites(rt: RankTrace, step_of=None) -> list[SyncSite]:
         steps = sorted({int(s) for s in step_of(r["ts"][rows[idx_a]])} - {-1}) if step_of else []
         out.append(SyncSite(call=call, op=op, site=site, stack=stack, calls=len(idx),
                             host_wait_us=float(dur[idx_a].sum()) / NS_PER_US,
-                            gpu_idle_after_us=float(after[idx_a].sum()) / NS_PER_US, steps=steps))
-    out.sort(key=lambda s: -(s.gpu_idle_after_us + s.host_wait_us))
+                            gpu_idle_after_us=float(after[idx_a].sum()) / NS_PER_US,
+                            stall_us=float(np.minimum(dur[idx_a], after[idx_a]).sum()) / NS_PER_US, steps=steps))
+    out.sort(key=lambda s: (-s.stall_us, -s.host_wait_us))
     return out
 
 

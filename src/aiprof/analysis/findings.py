@@ -1,0 +1,352 @@
+"""Findings: rules over the analyses, each with a stable code, severity, evidence, a specific
+suggestion and ``impact_us`` (the time fixing it could save over the analysed steps).
+
+Every rule, threshold and impact formula is documented in docs/findings.md; the thresholds are
+the named constants below and nowhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aiprof.analysis.breakdown import StepBreakdown
+from aiprof.analysis.comm import CommAnalysis
+from aiprof.analysis.diff import StepDiff
+from aiprof.analysis.hotspots import HOST_CLASSES, Gaps, HostTree, is_data_loading
+from aiprof.analysis.kernels import KernelAnalysis
+from aiprof.analysis.runtime import RuntimeAnalysis, is_scalar_read
+from aiprof.trace import classify
+
+HIGH, MEDIUM, LOW = "high", "medium", "low"
+
+# STEP_OUTLIER
+STEP_OUTLIER_MIN_STEPS = 3  # a median needs a few steps
+STEP_OUTLIER_RATIO = 1.3  # step / median
+STEP_OUTLIER_MIN_US = 5_000.0  # and at least this much slower
+STEP_OUTLIER_HIGH_RATIO = 1.5
+# DATA_LOADING (share = GPU idle while loading / summed step time)
+DATA_LOADING_MIN_US = 1_000.0
+DATA_LOADING_MIN_SHARE = 0.03
+DATA_LOADING_MEDIUM_SHARE = 0.05
+DATA_LOADING_HIGH_SHARE = 0.15
+# GPU_IDLE_HOST_BOUND (share = GPU idle while the host runs Python, op dispatch or launches)
+HOST_BOUND_MIN_SHARE = 0.10
+HOST_BOUND_MEDIUM_SHARE = 0.15
+HOST_BOUND_HIGH_SHARE = 0.35
+SHORT_KERNEL_US = 20.0  # median kernel shorter than this: launch overhead matters
+# Share of the host-bound idle time that CUDA graphs / torch.compile are assumed to recover (an
+# assumption, not a measurement: Python/dispatch work that stays on the host keeps part of it)
+HOST_BOUND_RECOVERABLE = 0.5
+# SYNC_STALL (share = stall / summed step time)
+SYNC_MIN_US = 1_000.0
+SYNC_MIN_SHARE = 0.01
+SYNC_MEDIUM_SHARE = 0.03
+SYNC_HIGH_SHARE = 0.10
+# COMM_EXPOSED (share = exposed communication / summed step time)
+COMM_MIN_SHARE = 0.05
+COMM_HIGH_SHARE = 0.20
+STRAGGLER_MIN_COMM_RATIO = 1.5  # waiting rank's comm time / the least comm time of any rank
+# MEMCPY_PAGEABLE
+PAGEABLE_MIN_US = 500.0
+PAGEABLE_MEDIUM_SHARE = 0.05
+PAGEABLE_SAVING = 0.5  # pinned copies run about twice as fast and can overlap compute
+# LOW_TENSOR_CORE (share of matmul GPU time)
+LOW_TC_MIN_SHARE = 0.10
+LOW_TC_MIN_US = 1_000.0
+LOW_TC_HIGH_SHARE_OF_COMPUTE = 0.30
+LOW_TC_ASSUMED_SPEEDUP = 2.0  # conservative: bf16/tf32 tensor cores vs fp32 CUDA cores
+# KERNEL_HOTSPOT (share of GPU compute time)
+HOTSPOT_MIN_SHARE = 0.40
+HOTSPOT_MEDIUM_SHARE = 0.60
+HOTSPOT_ASSUMED_GAIN = 0.10  # impact: a 10 % speed-up of the family
+
+
+@dataclass
+class RankFacts:
+    """What the rules read about one rank (built by analysis.report)."""
+
+    rank: int
+    steps: list[StepBreakdown]
+    gaps: Gaps
+    tree: HostTree
+    step_numbers: np.ndarray
+    host_idle_by_class: dict  # class -> µs over the steps (HOST_CLASSES)
+    diff: StepDiff | None
+    runtime: RuntimeAnalysis
+    kernels: KernelAnalysis
+    comm: CommAnalysis
+    pageable: dict  # {"count","bytes","dur_us","by_kind": {...}}
+    has_gpu: bool
+    extra: dict = field(default_factory=dict)  # cross-rank context, filled by the report
+
+
+def _f(code, severity, title, rank, step, where, impact_us, evidence, suggestion) -> dict:
+    return {"code": code, "severity": severity, "title": title, "rank": rank, "step": step, "where": where,
+            "impact_us": float(impact_us), "evidence": evidence, "suggestion": suggestion}
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1000.0:.1f} ms"
+
+
+def _total_us(f: RankFacts) -> float:
+    return float(sum(s.duration_us for s in f.steps)) or 1.0
+
+
+def step_outlier(f: RankFacts) -> list[dict]:
+    if len(f.steps) < STEP_OUTLIER_MIN_STEPS:
+        return []
+    d = np.array([s.duration_us for s in f.steps])
+    med = float(np.median(d))
+    out = []
+    for s in f.steps:
+        extra = s.duration_us - med
+        if s.duration_us < STEP_OUTLIER_RATIO * med or extra < STEP_OUTLIER_MIN_US:
+            continue
+        cause, where, sugg = "", "", ""
+        if f.diff is not None and f.diff.compare["step"] == s.step and f.diff.items:
+            top = f.diff.items[0]
+            where = _where(top)
+            cause = _describe(top, extra)
+            sugg = _fix_for(top, f)
+        ratio = s.duration_us / med
+        out.append(_f(
+            "STEP_OUTLIER", HIGH if ratio >= STEP_OUTLIER_HIGH_RATIO else MEDIUM,
+            f"step {s.step} took {_ms(s.duration_us)}, {ratio:.2f}x the median {_ms(med)}", f.rank, s.step, where,
+            extra,
+            {"step_us": s.duration_us, "median_us": med, "extra_us": extra,
+             "root_items": [_item_ev(i) for i in (f.diff.items[:5] if f.diff and f.diff.compare["step"] == s.step else [])]},
+            (f"{cause}. {sugg.rstrip('.')}." if cause else "Compare it with `aiprof diff` to see what the extra time went to.")
+            + f" Expected saving: up to {_ms(extra)} on this step."))
+    return out
+
+
+def _item_ev(i) -> dict:
+    return {"kind": i.kind, "name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls,
+            "host_kind": i.host_kind, "stack": i.stack[-4:], "site": i.site}
+
+
+def _where(item) -> str:
+    if item.kind == "gap":
+        chain = [s for s in item.stack[-3:]]
+        if item.host_kind != "python" and item.name not in chain:
+            chain.append(item.name)
+        return " > ".join(chain) if chain else item.name
+    return item.name
+
+
+def _describe(item, extra: float) -> str:
+    share = 100.0 * item.delta_us / extra if extra else 0.0
+    if item.kind == "gap":
+        where = f" (called from {item.site})" if item.site and item.site not in item.name else ""
+        return (f"{_ms(item.delta_us)} ({share:.0f}% of the extra time) is GPU idle while the host was in "
+                f"{item.name}{where}")
+    return f"{_ms(item.delta_us)} ({share:.0f}%) is extra GPU time in {item.kind} {item.name[:80]} ({item.delta_calls:+d} calls)"
+
+
+def _fix_for(item, f: RankFacts) -> str:
+    if item.kind != "gap":
+        return "Check why this kernel ran longer or more often in this step (input shapes, extra work)."
+    chain = " ".join(item.stack).lower() + " " + item.name.lower()
+    if any(is_data_loading(s) for s in item.stack + [item.name]):
+        return ("The GPU waits for input: prefetch the next batch while the GPU works (DataLoader with "
+                "num_workers>0, pin_memory=True, prefetch_factor), or remove the blocking work from "
+                f"{item.site or item.name}")
+    if "sleep" in chain:
+        return f"The host sleeps inside the step: remove the sleep in {item.site or item.name} or move it off the training loop"
+    if classify.is_sync_call(item.name) or "synchronize" in chain:
+        return f"The host is blocked on a GPU synchronisation: remove it from {item.site or 'the loop'}"
+    return f"Make {item.site or item.name} cheaper or move it out of the step (the GPU has nothing queued meanwhile)"
+
+
+def data_loading(f: RankFacts) -> list[dict]:
+    if not f.has_gpu or not len(f.gaps.start):
+        return []
+    m = f.gaps.loading
+    total = float(f.gaps.dur[m].sum()) / 1000.0
+    share = total / _total_us(f)
+    if total < DATA_LOADING_MIN_US or share < DATA_LOADING_MIN_SHARE:
+        return []
+    per_step = np.bincount(f.gaps.step[m], weights=f.gaps.dur[m], minlength=len(f.steps)) / 1000.0
+    worst = int(np.argmax(per_step))
+    # the loading function: the outermost data-loading ancestor of the largest loading gap
+    big = int(np.argmax(np.where(m, f.gaps.dur, -1)))
+    node = int(f.gaps.node[big])
+    fn, inner = "", ""
+    if node >= 0:
+        chain = f.tree.ancestors(node)
+        loaders = [n for n in chain if is_data_loading(f.tree.name(n))]
+        fn = f.tree.name(loaders[-1]) if loaders else f.tree.name(node)
+        inner = f.tree.name(node)
+    sev = HIGH if share >= DATA_LOADING_HIGH_SHARE else MEDIUM if share >= DATA_LOADING_MEDIUM_SHARE else LOW
+    under = f", mostly in {inner} under it" if inner and inner != fn else ""
+    return [_f("DATA_LOADING", sev, f"GPU idle {_ms(total)} ({100 * share:.1f}%) while the host loads input in {fn}",
+               f.rank, int(f.step_numbers[worst]), fn + (f" > {inner}" if inner and inner != fn else ""), total,
+               {"idle_while_loading_us": total, "share": share,
+                "per_step_us": {int(n): float(v) for n, v in zip(f.step_numbers, per_step)},
+                "function": fn, "innermost": inner},
+               f"The GPU waited for {fn}{under} (worst: step {int(f.step_numbers[worst])}, {_ms(per_step[worst])}). "
+               "Load the next batch while the GPU works: a DataLoader with num_workers>0, pin_memory=True and "
+               "prefetch, or a background prefetch thread/stream; keep slow I/O out of the step. "
+               f"Expected saving: up to {_ms(total)}.")]
+
+
+def host_bound(f: RankFacts) -> list[dict]:
+    if not f.has_gpu:
+        return []
+    c = f.host_idle_by_class
+    idle = c.get("host: python", 0.0) + c.get("host: op dispatch", 0.0) + c.get("host: cuda runtime", 0.0)
+    share = idle / _total_us(f)
+    if share < HOST_BOUND_MIN_SHARE:
+        return []
+    k = f.kernels
+    short = k.median_kernel_us < SHORT_KERNEL_US
+    sev = HIGH if share >= HOST_BOUND_HIGH_SHARE else MEDIUM if share >= HOST_BOUND_MEDIUM_SHARE else LOW
+    tops = f.extra.get("host_idle_items", [])[:3]
+    where = ", ".join(t["name"] for t in tops)
+    saving = HOST_BOUND_RECOVERABLE * idle
+    return [_f("GPU_IDLE_HOST_BOUND", sev,
+               f"GPU idle {_ms(idle)} ({100 * share:.1f}%) while the host runs Python, op dispatch and kernel launches",
+               f.rank, None, where, saving,
+               {"idle_us": idle, "share": share, "launches_per_step": k.launches_per_step,
+                "median_kernel_us": k.median_kernel_us, "by_class_us": {x: c.get(x, 0.0) for x in HOST_CLASSES[:3]},
+                "top_host_items": tops},
+               f"The GPU finishes work faster than the host queues it ({k.launches_per_step:.0f} launches/step, "
+               f"median kernel {k.median_kernel_us:.1f} µs{', short' if short else ''}). Capture the step with CUDA "
+               "graphs or torch.compile(mode='reduce-overhead'), fuse small ops, or raise the batch size; "
+               f"host time while idle is led by {where or 'n/a'}. Expected saving: about {_ms(saving)} "
+               f"(assuming {100 * HOST_BOUND_RECOVERABLE:.0f}% of the idle time is recovered; at most {_ms(idle)}).")]
+
+
+def sync_stall(f: RankFacts) -> list[dict]:
+    out = []
+    total = _total_us(f)
+    for s in f.runtime.syncs:
+        share = s.stall_us / total
+        if s.stall_us < SYNC_MIN_US or share < SYNC_MIN_SHARE:
+            continue
+        sev = HIGH if share >= SYNC_HIGH_SHARE else MEDIUM if share >= SYNC_MEDIUM_SHARE else LOW
+        what = f"{s.call}" + (f" in {s.op}" if s.op else "")
+        hint = (" It comes from a blocking copy or scalar read (`.item()`, `.cpu()`, `.tolist()`, `if tensor:`, or "
+                "`.to()/.cuda()` of pageable memory): keep values on the GPU and read them every N steps, and copy "
+                "inputs from pinned memory with non_blocking=True." if s.op and is_scalar_read(s.op) else
+                " Remove the explicit synchronize from the loop (time with CUDA events instead), or do it every N steps.")
+        out.append(_f("SYNC_STALL", sev, f"{s.calls} blocking {what} at {s.site or 'unknown site'} drain the GPU queue",
+                      f.rank, s.steps[0] if len(s.steps) == 1 else None, " > ".join(s.stack[-3:]) or s.site,
+                      s.stall_us,
+                      {"call": s.call, "op": s.op, "site": s.site, "calls": s.calls, "host_wait_us": s.host_wait_us,
+                       "gpu_idle_after_us": s.gpu_idle_after_us, "stall_us": s.stall_us, "steps": s.steps},
+                      f"The host waited {_ms(s.host_wait_us)} in {what} and the GPU then idled {_ms(s.gpu_idle_after_us)} "
+                      f"before new work arrived.{hint} Expected saving: up to {_ms(s.stall_us)}."))
+    return out
+
+
+def comm_exposed(f: RankFacts) -> list[dict]:
+    if not f.has_gpu:
+        return []
+    exposed = float(sum(s.communication_us for s in f.steps))
+    share = exposed / _total_us(f)
+    if share < COMM_MIN_SHARE:
+        return []
+    by_type = f.comm.by_type
+    worst = max(by_type, key=lambda t: by_type[t]["exposed_us"]) if by_type else ""
+    strag = f.extra.get("straggler")
+    ev = {"exposed_us": exposed, "share": share, "by_type": by_type, "link": f.comm.link,
+          "per_step_us": {s.step: s.communication_us for s in f.steps}}
+    if strag and strag["waiting_rank"] == f.rank:
+        ev["straggler"] = strag
+        extra = strag.get("extra_kernels") or []
+        detail = (f"; rank {strag['straggler_rank']} runs extra GPU work: "
+                  + ", ".join(f"{k['name'][:60]} ({k['delta_calls']:+d} calls, {_ms(k['delta_us'])})" for k in extra[:2])
+                  if extra else "")
+        sugg = (f"Rank {f.rank} spends {_ms(strag['wait_us'])} more in {worst or 'collectives'} than the fastest rank "
+                f"because rank {strag['straggler_rank']} computes {_ms(strag['compute_gap_us'])} longer{detail}. "
+                "Balance the work across ranks (same batch shapes, no rank-specific extra work); "
+                f"expected saving: up to {_ms(min(exposed, strag['wait_us']))}.")
+        title = f"rank {f.rank} waits {_ms(exposed)} ({100 * share:.1f}%) in exposed {worst or 'communication'} for straggler rank {strag['straggler_rank']}"
+        impact = min(exposed, strag["wait_us"]) if strag["wait_us"] > 0 else exposed
+    else:
+        sugg = ("Overlap communication with compute: DDP bucketing (bucket_cap_mb), gradient accumulation with "
+                "no_sync(), FSDP prefetch; check the link (bus bandwidth) and message sizes. "
+                f"Expected saving: up to {_ms(exposed)}.")
+        title = f"{_ms(exposed)} ({100 * share:.1f}%) of communication is not hidden behind compute"
+        impact = exposed
+    sev = HIGH if share >= COMM_HIGH_SHARE else MEDIUM
+    return [_f("COMM_EXPOSED", sev, title, f.rank, None, worst, impact, ev, sugg)]
+
+
+def memcpy_pageable(f: RankFacts) -> list[dict]:
+    p = f.pageable
+    if not p or p.get("dur_us", 0.0) < PAGEABLE_MIN_US:
+        return []
+    share = p["dur_us"] / _total_us(f)
+    saving = PAGEABLE_SAVING * p["dur_us"]
+    kinds = ", ".join(f"{k} {v['count']}x" for k, v in p.get("by_kind", {}).items())
+    return [_f("MEMCPY_PAGEABLE", MEDIUM if share >= PAGEABLE_MEDIUM_SHARE else LOW,
+               f"{p['count']} copies from/to pageable host memory take {_ms(p['dur_us'])}", f.rank, None,
+               p.get("site", ""), saving, p,
+               f"Copies {kinds} ({p['bytes'] / 1e6:.1f} MB) use pageable memory, which is staged and synchronous. "
+               "Allocate host tensors with pin_memory=True (DataLoader(pin_memory=True) or tensor.pin_memory()) and copy "
+               f"with .to(device, non_blocking=True). Expected saving: about {_ms(saving)}.")]
+
+
+def low_tensor_core(f: RankFacts) -> list[dict]:
+    k = f.kernels
+    if not k.matmul_us:
+        return []
+    fp32_ops_us = float(sum(o["gpu_us"] for o in k.fp32_matmul_ops))
+    slow = max(k.non_tc_matmul_us, fp32_ops_us)
+    share = slow / k.matmul_us
+    if share < LOW_TC_MIN_SHARE or slow < LOW_TC_MIN_US:
+        return []
+    saving = slow * (1.0 - 1.0 / LOW_TC_ASSUMED_SPEEDUP)
+    sev = HIGH if slow >= LOW_TC_HIGH_SHARE_OF_COMPUTE * k.compute_us else MEDIUM
+    ops = ", ".join(f"{o['op']} ({o['calls']} calls)" for o in k.fp32_matmul_ops[:3])
+    where = ops or (k.non_tc_matmul_kernels[0][:80] if k.non_tc_matmul_kernels else "")
+    return [_f("LOW_TENSOR_CORE", sev, f"{_ms(slow)} ({100 * share:.0f}% of matmul time) runs in fp32 or without tensor cores",
+               f.rank, None, where, saving,
+               {"matmul_us": k.matmul_us, "non_tc_matmul_us": k.non_tc_matmul_us, "fp32_matmul_ops": k.fp32_matmul_ops,
+                "non_tc_kernels": k.non_tc_matmul_kernels, "precision_us": k.precision_us},
+               "Run matmuls on tensor cores: torch.autocast(device_type='cuda', dtype=torch.bfloat16) around the "
+               "forward pass, or at least torch.backends.cuda.matmul.allow_tf32 = True / "
+               "torch.set_float32_matmul_precision('high')" + (f"; fp32 matmul ops: {ops}" if ops else "")
+               + f". Expected saving: about {_ms(saving)} (assuming a {LOW_TC_ASSUMED_SPEEDUP:.0f}x speed-up).")]
+
+
+def kernel_hotspot(f: RankFacts) -> list[dict]:
+    k = f.kernels
+    if not k.families:
+        return []
+    top = k.families[0]
+    share = top["share_pct_of_compute"] / 100.0
+    if share < HOTSPOT_MIN_SHARE:
+        return []
+    fam = top["family"]
+    low = fam.lower()
+    if any(w in low for w in ("elementwise", "reduce", "copy", "cat", "index")):
+        hint = "memory-bound small ops: fuse them with torch.compile, or remove redundant copies/casts"
+    elif any(w in low for w in ("sdpa", "flash", "attention", "fmha")):
+        hint = "attention dominates: make sure the flash/cuDNN SDPA backend is used and sequence lengths are not padded"
+    else:
+        hint = "check its shapes (multiples of 64/128), its precision (bf16/fp8) and whether it is called more often than needed"
+    return [_f("KERNEL_HOTSPOT", MEDIUM if share >= HOTSPOT_MEDIUM_SHARE else LOW,
+               f"kernel family {fam[:60]} takes {100 * share:.0f}% of GPU compute time", f.rank, None, fam,
+               HOTSPOT_ASSUMED_GAIN * top["total_us"], {"family": top, "families": k.families[:5]},
+               f"{fam[:60]} runs {top['calls']} times for {_ms(top['total_us'])}: {hint}. "
+               f"Impact shown: a {100 * HOTSPOT_ASSUMED_GAIN:.0f}% speed-up of this family "
+               f"({_ms(HOTSPOT_ASSUMED_GAIN * top['total_us'])}).")]
+
+
+RULES = (step_outlier, data_loading, host_bound, sync_stall, comm_exposed, memcpy_pageable, low_tensor_core,
+         kernel_hotspot)
+
+
+def findings(facts: list[RankFacts]) -> list[dict]:
+    """All findings of all ranks, most impact first."""
+    out: list[dict] = []
+    for f in facts:
+        for rule in RULES:
+            out.extend(rule(f))
+    out.sort(key=lambda d: -d["impact_us"])
+    return out
