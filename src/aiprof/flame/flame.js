@@ -1,5 +1,5 @@
 // aiprof flame graph: click to zoom, search (regex) with matched %, like flamegraph.pl.
-// Each <svg class="aiprof-flame"> carries its frames as <g class="f" data-x data-w data-d>;
+// Each svg.aiprof-flame element carries its frames as g.f elements with data-x, data-w, data-d;
 // x/w are in weight units (ns or samples), d is the depth (root = 0).
 (function () {
   if (window.aiprofFlame) return;

@@ -51,11 +51,11 @@ def read(f: IO[str], name: str = "folded", unit: str = "nanoseconds") -> Profile
         heads.append((head, int(last)))
         head2, _, mid = head.rpartition(" ")
         if mid.lstrip("-").isdigit() and head2:
-            p = pairs.setdefault(tuple(head2.split(";")), [0, 0])
+            p = pairs.setdefault(_stack(head2), [0, 0])
             p[0] += int(mid)
             p[1] += int(last)
         else:
-            key = tuple(head.split(";"))
+            key = _stack(head)
             single[key] = single.get(key, 0) + int(last)
     if pairs and not single:
         keys = sorted(pairs)
@@ -64,6 +64,11 @@ def read(f: IO[str], name: str = "folded", unit: str = "nanoseconds") -> Profile
     # not every line has two counts: a plain file whose frames may end in a number
     plain: dict[Stack, int] = {}
     for head, w in heads:
-        key = tuple(head.split(";"))
+        key = _stack(head)
         plain[key] = plain.get(key, 0) + w
     return from_dict(name, plain, unit)
+
+
+def _stack(text: str) -> Stack:
+    """Frames of a folded line; py-spy writes samples with no Python frame as an empty stack."""
+    return tuple(f for f in text.split(";") if f) or ("[no frames]",)

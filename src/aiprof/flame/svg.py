@@ -217,6 +217,10 @@ function find(q) {{
   document.getElementById('pct').textContent = q ? 'matched ' + p.toFixed(1) + '%' : '';
 }}
 for (var k = 0; k < n; k++) pane(k);
-(function () {{ var q = aiprofFlameQuery(); if (q) {{ document.getElementById('q').value = q; }} show(0); }})();
+(function () {{
+  var q = aiprofFlameQuery(), v = /[?&]v=(\\d+)/.exec(window.location.search);
+  if (q) {{ document.getElementById('q').value = q; }}
+  show(v ? Math.min(+v[1], n - 1) : 0);
+}})();
 </script></body></html>
 """
