@@ -64,7 +64,7 @@ def _findings(console: Console, findings: list[dict]) -> None:
         rank = f" · rank {f['rank']}" if f.get("rank") is not None else ""
         step = f" · step {f['step']}" if f.get("step") is not None else ""
         console.print(Text.assemble((f"{i}. [{f['severity']}] {f['code']}", sev),
-                                    f"  {f['title']}{rank}{step}{where}  (≈{_ms(f.get('impact_us', 0))} ms)"))
+                                    f"  {f['title']}{rank}{step}{where}  (impact ≈{_ms(f.get('impact_us', 0))} ms)"))
         if f.get("suggestion"):
             console.print(f"   → {f['suggestion']}")
 
@@ -91,7 +91,133 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         console.print(_steps_table(r))
         if r["top_kernels"]:
             console.print(_kernels_table(r))
+        render_diagnosis(console, r)
         console.print()
     if len(ranks) > _MAX_RANK_DETAIL:
         console.print(f"({len(ranks) - _MAX_RANK_DETAIL} more ranks: see the JSON report)")
     _findings(console, report.get("findings", []))
+
+
+# ---------------------------------------------------------------- diagnosis sections
+def _bottleneck_table(rank: dict) -> Table | None:
+    hs = rank.get("hotspots") or {}
+    classes = hs.get("classes") or []
+    if not classes:
+        return None
+    t = Table(title="Bottleneck ratio by class (docs/metrics.md)",
+              title_justify="left", show_edge=False)
+    for col, j in (("class", "left"), ("time ms", "right"), ("ratio", "right")):
+        t.add_column(col, justify=j)
+    for c in sorted(classes, key=lambda c: -c["ratio"]):
+        if c["time_us"] > 0:
+            t.add_row(c["cls"], _ms(c["time_us"]), f"{100 * c['ratio']:.1f}%")
+    return t
+
+
+def _hotspots_table(rank: dict, n: int = 12) -> Table | None:
+    items = (rank.get("hotspots") or {}).get("items") or []
+    if not items:
+        return None
+    t = Table(title="Host hotspots (Python functions, ops), by GPU-idle time inside them", title_justify="left",
+              show_edge=False)
+    for col, j in (("item", "left"), ("kind", "left"), ("calls", "right"), ("incl ms", "right"), ("excl ms", "right"),
+                   ("GPU launched ms", "right"), ("GPU idle ms", "right"), ("bottleneck", "right")):
+        t.add_column(col, justify=j)
+    for h in items[:n]:
+        t.add_row(_short(h["name"], 60), h["kind"], str(h["calls"]), _ms(h["inclusive_us"]), _ms(h["exclusive_us"]),
+                  _ms(h["gpu_us"]), _ms(h["idle_us"]), f"{100 * h['bottleneck_ratio']:.1f}%")
+    return t
+
+
+def _syncs_table(rank: dict) -> Table | None:
+    rt = rank.get("runtime") or {}
+    syncs = rt.get("syncs") or []
+    if not syncs:
+        return None
+    t = Table(title="Blocking synchronisations", title_justify="left", show_edge=False)
+    for col, j in (("call", "left"), ("op", "left"), ("site", "left"), ("calls", "right"), ("host wait ms", "right"),
+                   ("GPU idle after ms", "right"), ("stall ms", "right")):
+        t.add_column(col, justify=j)
+    for s in syncs[:8]:
+        t.add_row(s["call"], s["op"], _short(s["site"], 40), str(s["calls"]), _ms(s["host_wait_us"]),
+                  _ms(s["gpu_idle_after_us"]), _ms(s["stall_us"]))
+    return t
+
+
+def _comm_table(rank: dict) -> Table | None:
+    c = rank.get("communication") or {}
+    groups = c.get("groups") or []
+    if not groups:
+        return None
+    t = Table(title=f"Collectives (link: {c.get('link')}; {c.get('link_reason')})", title_justify="left", show_edge=False)
+    for col, j in (("collective", "left"), ("pg", "left"), ("size", "left"), ("calls", "right"), ("total ms", "right"),
+                   ("mean µs", "right"), ("algbw GB/s", "right"), ("busbw GB/s", "right")):
+        t.add_column(col, justify=j)
+    for g in groups[:8]:
+        t.add_row(g["coll"], g["pg"], g["size_bucket"], str(g["calls"]), _ms(g["total_us"]), f"{g['mean_us']:.1f}",
+                  f"{g['algbw_gbps']:.1f}", f"{g['busbw_gbps']:.1f}")
+    return t
+
+
+def _facts_lines(console: Console, rank: dict) -> None:
+    k = rank.get("kernels") or {}
+    if k.get("compute_us"):
+        prec = ", ".join(f"{p} {_ms(v)}" for p, v in (k.get("precision_us") or {}).items())
+        console.print(f"tensor cores: {k['tensor_core_pct_of_compute']:.1f}% of compute time · matmul {_ms(k['matmul_us'])} ms"
+                      f" (by kernel precision: {prec or 'n/a'}) · {k['launches_per_step']:.0f} launches/step, "
+                      f"median kernel {k['median_kernel_us']:.1f} µs")
+    ld = (rank.get("runtime") or {}).get("launch_delay_us") or {}
+    if ld.get("count"):
+        console.print(f"launch → GPU start: p50 {ld['p50']:.1f} µs · p90 {ld['p90']:.1f} µs · max {ld['max']:.1f} µs")
+    f = rank.get("flops") or {}
+    if f.get("per_step"):
+        tf = [s["tflops_per_s"] for s in f["per_step"]]
+        mfu = [s["mfu_pct"] for s in f["per_step"] if s["mfu_pct"] is not None]
+        mid = sorted(tf)[len(tf) // 2]
+        console.print(f"FLOPs ({f['source']}): {f['total_flops'] / 1e12:.2f} TFLOP over the steps · median step "
+                      f"{mid:.1f} TFLOP/s" + (f" · MFU {sorted(mfu)[len(mfu) // 2]:.1f}% of {f['peak_tflops']:.0f} "
+                                              f"TFLOP/s {f['precision']}" if mfu else ""))
+    m = rank.get("memory") or {}
+    if m.get("peak_allocated_bytes"):
+        tops = ", ".join(f"{a['where']} {a['bytes'] / 2**30:.1f} GiB" for a in (m.get("top_allocators") or [])[:3])
+        console.print(f"memory: peak allocated {m['peak_allocated_bytes'] / 2**30:.2f} GiB"
+                      + (f" (step {m['peak_step']})" if m.get("peak_step") is not None else "")
+                      + f" · peak reserved {m['peak_reserved_bytes'] / 2**30:.2f} GiB · most allocated by {tops}")
+
+
+def render_diagnosis(console: Console, rank: dict) -> None:
+    """The per-rank diagnosis sections (hotspots, bottlenecks, syncs, comm, facts)."""
+    _facts_lines(console, rank)
+    for t in (_bottleneck_table(rank), _hotspots_table(rank), _syncs_table(rank), _comm_table(rank)):
+        if t is not None:
+            console.print(t)
+
+
+def render_diff(diff: dict, file: IO[str] | None = None, width: int | None = None) -> None:
+    """Render a step diff (schema aiprof.diff/1)."""
+    console = Console(file=file, width=width or 160, highlight=False, soft_wrap=False)
+    b, c = diff["base"], diff["compare"]
+    same = b["source"] == c["source"]
+    lab = (lambda d: f"step {d['step']}") if same else (lambda d: f"{d['source']} step {d['step']}")
+    console.print(Text(f"aiprof diff · {lab(c)} ({_ms(c['duration_us'])} ms) vs {lab(b)} ({_ms(b['duration_us'])} ms):"
+                       f" Δ {diff['delta_us'] / 1000.0:+,.2f} ms", style="bold"))
+    t = Table(title="Root items by contribution to Δtime (gaps = GPU idle, attributed to the host's innermost event)",
+              title_justify="left", show_edge=False)
+    for col, j in (("kind", "left"), ("item", "left"), ("Δ ms", "right"), ("base ms", "right"), ("compare ms", "right"),
+                   ("Δcalls", "right"), ("Δshare", "right"), ("host stack / site", "left")):
+        t.add_column(col, justify=j)
+    for i in diff["items"]:
+        where = " > ".join(s.split(": ")[-1] for s in i["stack"][-3:]) if i["stack"] else ""
+        t.add_row(i["kind"] + (f"·{i['host_kind']}" if i["host_kind"] else ""), _short(i["name"], 60),
+                  f"{i['delta_us'] / 1000.0:+,.2f}", _ms(i["base_us"]), _ms(i["compare_us"]), f"{i['delta_calls']:+d}",
+                  f"{i['delta_share_pp']:+.1f}pp", _short(where, 50))
+    console.print(t)
+    console.print(f"unexplained (overlapping GPU work): {diff['residual_us'] / 1000.0:+,.2f} ms")
+    h = Table(title="Host items (Python functions, ops): inclusive time", title_justify="left", show_edge=False)
+    for col, j in (("kind", "left"), ("item", "left"), ("Δ ms", "right"), ("base ms", "right"), ("compare ms", "right"),
+                   ("Δcalls", "right")):
+        h.add_column(col, justify=j)
+    for i in diff["host_items"][:10]:
+        h.add_row(i["kind"], _short(i["name"], 70), f"{i['delta_us'] / 1000.0:+,.2f}", _ms(i["base_us"]),
+                  _ms(i["compare_us"]), f"{i['delta_calls']:+d}")
+    console.print(h)
