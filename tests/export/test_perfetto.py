@@ -110,13 +110,13 @@ def test_numpy_encoder_is_byte_identical_to_protobuf():
     name = rng.integers(0, 300, n)
     value = rng.normal(size=n) * 1e9
     flow = np.where(rng.random(n) < 0.5, rng.integers(1, 2**63, n), 0)
-    te = pb.encode(n, [pb.Field(9, pb.VARINT, np.full(n, 1, np.uint64)),
+    te = [pb.Field(9, pb.VARINT, np.full(n, 1, np.uint64)),
                        pb.Field(10, pb.VARINT, name.astype(np.uint64), name > 0),
                        pb.Field(11, pb.VARINT, track.astype(np.uint64)),
                        pb.Field(44, pb.FIXED64, pb.f64(value)),
-                       pb.Field(47, pb.FIXED64, flow.astype(np.uint64), flow > 0)])
-    pk = pb.encode(n, [pb.Field(8, pb.VARINT, pb.u64(ts)), pb.Field(11, pb.BYTES, np.zeros(n, np.uint64), nested=te)])
-    buf, _ = pb.encode(n, [pb.Field(1, pb.BYTES, np.zeros(n, np.uint64), nested=pk)])
+                       pb.Field(47, pb.FIXED64, flow.astype(np.uint64), flow > 0)]
+    pk = [pb.Field(8, pb.VARINT, pb.u64(ts)), pb.Field(11, pb.BYTES, sub=te)]
+    buf, _ = pb.encode(n, [pb.Field(1, pb.BYTES, sub=pk)])
     want = p2.Trace()
     for i in range(n):
         p = want.packet.add()

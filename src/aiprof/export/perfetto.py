@@ -13,7 +13,7 @@ classes; the (many) slice and counter packets are laid out with numpy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import IO, Optional
+from typing import IO, Iterator, Optional
 
 import numpy as np
 
@@ -86,8 +86,11 @@ def _header(tl: Timeline, p) -> bytes:
     return trace.SerializeToString()
 
 
-def _events(tl: Timeline, base: int) -> tuple[np.ndarray, np.ndarray]:
-    """Slice begin/end and counter events, time-ordered, as encoded Trace.packet entries."""
+def _events(tl: Timeline, base: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Slice begin/end and counter events, time-ordered, as encoded Trace.packet entries.
+
+    Encoded ``chunk`` events at a time, so that the encoder's scratch memory stays bounded.
+    """
     n = len(tl.start)
     ts = np.concatenate([tl.start, tl.end])
     typ = np.concatenate([np.full(n, _BEGIN), np.full(n, _END)])
@@ -110,22 +113,28 @@ def _events(tl: Timeline, base: int) -> tuple[np.ndarray, np.ndarray]:
         value = np.concatenate([value, np.concatenate([c.value for c in tl.counters])])
     order = np.lexsort((track, sub, typ != _END, ts))
     ts, typ, track, name, fout, fin, value = (a[order] for a in (ts, typ, track, name, fout, fin, value))
+    for lo in range(0, len(ts), chunk):
+        sl = slice(lo, lo + chunk)
+        yield _encode(ts[sl], typ[sl], track[sl], name[sl], fout[sl], fin[sl], value[sl])
+
+
+def _encode(ts, typ, track, name, fout, fin, value) -> bytes:
     m = len(ts)
-    te = pb.encode(m, [
+    te = [
         pb.Field(9, pb.VARINT, typ.astype(np.uint64)),
         pb.Field(10, pb.VARINT, name.astype(np.uint64), name > 0),
         pb.Field(11, pb.VARINT, track.astype(np.uint64)),
         pb.Field(44, pb.FIXED64, pb.f64(value), typ == _COUNTER),
         pb.Field(47, pb.FIXED64, fout.astype(np.uint64), fout > 0),
         pb.Field(48, pb.FIXED64, fin.astype(np.uint64), fin > 0),
-    ])
-    packet = pb.encode(m, [
+    ]
+    packet = [
         pb.Field(8, pb.VARINT, pb.u64(ts)),
         pb.Field(10, pb.VARINT, np.full(m, SEQ_ID, np.uint64)),
-        pb.Field(11, pb.BYTES, np.zeros(m, np.uint64), nested=te),
+        pb.Field(11, pb.BYTES, sub=te),
         pb.Field(13, pb.VARINT, np.full(m, _NEEDS_STATE, np.uint64)),
-    ])
-    return pb.encode(m, [pb.Field(1, pb.BYTES, np.zeros(m, np.uint64), nested=packet)])
+    ]
+    return pb.encode(m, [pb.Field(1, pb.BYTES, sub=packet)])[0].tobytes()
 
 
 def write(tl: Timeline, f: IO[bytes]) -> PerfettoStats:
@@ -133,11 +142,13 @@ def write(tl: Timeline, f: IO[bytes]) -> PerfettoStats:
     p = _pb2()
     head = _header(tl, p)
     base = 1 + len(tl.meta.get("ranks", []))
-    buf, _ = _events(tl, base)
     f.write(head)
-    f.write(buf.tobytes())
+    size = len(head)
+    for part in _events(tl, base):
+        f.write(part)
+        size += len(part)
     return PerfettoStats(tl.count_by_source(), int(sum(len(c.ts) for c in tl.counters)),
-                         len(tl.tracks) + len(tl.counters), len(head) + len(buf), tl.clipped)
+                         len(tl.tracks) + len(tl.counters), size, tl.clipped)
 
 
 def export(capture: Capture, path: str, marks: Optional[list[Mark]] = None, host: bool = True) -> PerfettoStats:

@@ -35,26 +35,20 @@ def tag(field: int, wire: int) -> bytes:
 
 @dataclass
 class Field:
-    """One scalar field of every message: values (uint64 bit patterns) where ``present``."""
+    """One field of every message: scalar values (uint64 bit patterns), or a nested message.
+
+    ``present`` masks the messages that have the field. A BYTES field holds the nested
+    message given by ``sub`` (its own fields), written in place: no intermediate buffers.
+    """
 
     number: int
-    kind: int  # VARINT, FIXED64, or BYTES (a nested message encoded by :func:`encode`)
-    values: np.ndarray
+    kind: int  # VARINT, FIXED64, or BYTES (a nested message of ``sub`` fields)
+    values: np.ndarray | None = None
     present: np.ndarray | None = None
-    # for BYTES: the nested messages' buffer and offsets (from :func:`encode`)
-    nested: tuple[np.ndarray, np.ndarray] | None = None
+    sub: list["Field"] | None = None
 
-    def lengths(self, n: int) -> np.ndarray:
-        key = len(tag(self.number, 2 if self.kind == BYTES else (1 if self.kind == FIXED64 else 0)))
-        if self.kind == VARINT:
-            body = varint_len(self.values)
-        elif self.kind == FIXED64:
-            body = np.full(n, 8, dtype=np.int64)
-        else:
-            size = np.diff(self.nested[1])
-            body = varint_len(size.astype(np.uint64)) + size
-        ln = key + body
-        return ln if self.present is None else np.where(self.present, ln, 0)
+    def key(self) -> bytes:
+        return tag(self.number, 2 if self.kind == BYTES else (1 if self.kind == FIXED64 else 0))
 
 
 def _put_varint(buf: np.ndarray, pos: np.ndarray, v: np.ndarray) -> None:
@@ -67,46 +61,64 @@ def _put_varint(buf: np.ndarray, pos: np.ndarray, v: np.ndarray) -> None:
         buf[pos[m] + k] = byte
 
 
-def encode(n: int, fields: list[Field]) -> tuple[np.ndarray, np.ndarray]:
-    """Encode ``n`` messages with ``fields`` (in field order); returns (buffer, offsets[n+1])."""
-    lens = [f.lengths(n) for f in fields]
+def _lengths(n: int, fields: list[Field]) -> tuple[np.ndarray, list]:
+    """Per-message encoded length of ``fields`` and, per field, its lengths (and sub-lengths)."""
     total = np.zeros(n, dtype=np.int64)
-    for ln in lens:
+    per = []
+    for f in fields:
+        sub = None
+        if f.kind == VARINT:
+            body = varint_len(f.values)
+        elif f.kind == FIXED64:
+            body = np.full(n, 8, dtype=np.int64)
+        else:
+            size, sub = _lengths(n, f.sub or [])
+            body = varint_len(size.astype(np.uint64)) + size
+            sub = (size, sub)
+        ln = len(f.key()) + body
+        if f.present is not None:
+            ln = np.where(f.present, ln, 0)
+        per.append((ln, sub))
         total += ln
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(total, out=offsets[1:])
-    buf = np.zeros(int(offsets[-1]), dtype=np.uint8)
-    cur = offsets[:-1].copy()
-    for f, ln in zip(fields, lens):
-        wire = 2 if f.kind == BYTES else (1 if f.kind == FIXED64 else 0)
-        key = np.frombuffer(tag(f.number, wire), dtype=np.uint8)
+    return total, per
+
+
+def _write(buf: np.ndarray, cur: np.ndarray, fields: list[Field], per: list) -> None:
+    cur = cur.copy()
+    for f, (ln, sub) in zip(fields, per):
         on = ln > 0
         pos = cur[on]
+        key = f.key()
         for i, b in enumerate(key):
             buf[pos + i] = b
         pos = pos + len(key)
         if f.kind == VARINT:
             _put_varint(buf, pos, np.asarray(f.values, dtype=np.uint64)[on])
         elif f.kind == FIXED64:
-            raw = np.ascontiguousarray(np.asarray(f.values)[on]).view(np.uint8).reshape(-1, 8)
-            buf[(pos[:, None] + np.arange(8)).ravel()] = raw.ravel()
+            raw = np.ascontiguousarray(np.asarray(f.values).astype("<u8", copy=False)[on]).view(np.uint8)
+            for k in range(8):
+                buf[pos + k] = raw[k::8]
         else:
-            nbuf, noff = f.nested
-            size = np.diff(noff)[on]
-            _put_varint(buf, pos, size.astype(np.uint64))
-            pos = pos + varint_len(size.astype(np.uint64))
-            _copy_ranges(buf, pos, nbuf, noff[:-1][on], size)
+            size, subper = sub
+            _put_varint(buf, pos, size[on].astype(np.uint64))
+            start = np.zeros(len(ln), dtype=np.int64)
+            start[on] = pos + varint_len(size[on].astype(np.uint64))
+            # nested fields are written at their own offsets; absent ones have zero length
+            sub_fields = [Field(g.number, g.kind, g.values,
+                                on if g.present is None else (g.present & on), g.sub) for g in f.sub or []]
+            _, sp = _lengths(len(ln), sub_fields)
+            _write(buf, start, sub_fields, sp)
         cur += ln
+
+
+def encode(n: int, fields: list[Field]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``n`` messages with ``fields`` (in field order); returns (buffer, offsets[n+1])."""
+    total, per = _lengths(n, fields)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(total, out=offsets[1:])
+    buf = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    _write(buf, offsets[:-1], fields, per)
     return buf, offsets
-
-
-def _copy_ranges(dst: np.ndarray, dst_pos: np.ndarray, src: np.ndarray, src_pos: np.ndarray, size: np.ndarray) -> None:
-    """dst[dst_pos[i]:+size[i]] = src[src_pos[i]:+size[i]] for all i, without a Python loop."""
-    if not len(size) or int(size.sum()) == 0:
-        return
-    starts = np.repeat(np.cumsum(size) - size, size)
-    within = np.arange(int(size.sum())) - starts
-    dst[np.repeat(dst_pos, size) + within] = src[np.repeat(src_pos, size) + within]
 
 
 def u64(values: np.ndarray) -> np.ndarray:
