@@ -17,7 +17,6 @@ from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import find_steps
 from aiprof.flame.nesting import nest
 from aiprof.trace.store import Capture, RankTrace
-from aiprof.trace.table import Table
 
 HOST_SOURCES = ("python", "annotations", "ops", "runtime")
 
@@ -293,8 +292,3 @@ def build_timeline(capture: Capture, marks: Optional[list[Mark]] = None, host: b
                          for rt in capture.ranks]}
     return tl
 
-
-def gpu_table(rt: RankTrace) -> Table:
-    """Kernels and memops of a rank (helper for tests and summaries)."""
-    parts = [rt.table(n) for n in ("kernels", "memops")]
-    return Table({"dur": np.concatenate([p["dur"] for p in parts if len(p)] or [np.zeros(0, np.int64)])})
