@@ -19,6 +19,7 @@ report is the median over rounds, divided by ``none``'s.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--active", type=int, default=12, help="recorded iterations per capture")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--levels", default=",".join(LEVELS))
+    ap.add_argument("--pretouch-gb", type=int, default=0, help="touch this much host memory first (VMs that grow memory lazily)")
     ap.add_argument("--out", default=None, help="folder for captures and results.json (default: a temp dir)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -124,6 +126,16 @@ def main() -> None:
         agent.control = ControlServer(agent, rt)
         agent.control.start()
 
+    def settle() -> None:
+        """Outside the timed region: collect the profiler's garbage now, not during steps."""
+        gc.collect()
+        time.sleep(0.2)
+
+    # This VM's memory grows on first touch (seconds per 8 GiB): touch some once, up front,
+    # so that the first large trace export does not stall the steps measured after it.
+    if args.pretouch_gb > 0:
+        buf = bytearray(args.pretouch_gb << 30)
+        del buf
     levels = [lv for lv in args.levels.split(",") if lv]
     seg: dict[str, list[float]] = {}
     def add(name: str, ts: list[float]) -> None:
@@ -133,25 +145,37 @@ def main() -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for r in range(args.rounds):
         agent_off()
+        settle()
         add("none", timed(step, args.steps, device))
         agent_on()
         add("idle", timed(step, args.steps, device))
         for lv in levels:
             what, raw_kw = LEVELS[lv]
             # agent capture: one warm-up iteration, then `active` recorded
-            req = CaptureRequest(out=out, capture_id=f"bench-r{r}-{lv}", what=what, skip=1,
-                                 iterations=args.active).normalised()
-            assert agent.driver.submit(req) is None
-            ts = timed(step, args.active + 2, device)
-            t_wait = time.monotonic()
-            while agent.driver.state != "idle" and time.monotonic() - t_wait < 120:
-                time.sleep(0.05)
-            add(f"agent:{lv}", ts[2:])  # drop the warm-up step and the start step
-            add(f"after:{lv}", timed(step, args.steps // 2, device))
-            if raw_kw is not None:
+            def agent_capture() -> None:
+                req = CaptureRequest(out=out, capture_id=f"bench-r{r}-{lv}", what=what, skip=1,
+                                     iterations=args.active).normalised()
+                assert agent.driver.submit(req) is None
+                ts = timed(step, args.active + 2, device)
+                t_wait = time.monotonic()
+                while agent.driver.state != "idle" and time.monotonic() - t_wait < 120:
+                    time.sleep(0.05)
+                add(f"agent:{lv}", ts[2:])  # drop the warm-up step and the start step
+                settle()
+                add(f"after:{lv}", timed(step, args.steps // 2, device))
+
+            def raw_capture() -> None:
+                if raw_kw is None:
+                    return
                 with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=args.active), **raw_kw) as p:
                     ts = timed(step, args.active + 1, device, after_each=p.step)
+                del p
                 add(f"raw:{lv}", ts[1:])
+                settle()
+
+            # alternate which goes first, so slow drift does not favour one side
+            for fn in ((agent_capture, raw_capture) if r % 2 == 0 else (raw_capture, agent_capture)):
+                fn()
         add("after", timed(step, args.steps, device))
         print(f"round {r} done", file=sys.stderr, flush=True)
 

@@ -84,6 +84,21 @@ class Agent:
         if not self.tracker.try_patch_entry(entry):
             self.patch_pending = True  # the control thread retries in poll()
 
+    def needs_fast_poll(self) -> bool:
+        """Whether the control thread should wake often (20/s) rather than once a second.
+
+        Only while something time-based is pending: an entry to wrap, a wait_ms fallback, a
+        time-based capture. An iteration capture in progress needs no polling, and waking the
+        control thread costs the training thread a GIL hand-over.
+        """
+        d = self.driver
+        if self.patch_pending:
+            return True
+        req = d.req
+        if d.state == "armed":
+            return req is not None and req.wait_ms is not None
+        return d.state == "recording" and (d.mode == "time" or d.pending_main is not None)
+
     def poll(self) -> None:
         """Periodic work on the control thread: pending entry patch, capture timeouts."""
         if self.disabled:

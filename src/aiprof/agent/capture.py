@@ -168,22 +168,31 @@ class CaptureDriver:
 
         self.pending_main = what
         self.pending_since = time.perf_counter()
+        log.info(f"scheduling {what} on the main thread")
         fn = self._main_start if what == "start" else self._main_stop
         if not call_soon_in_main_thread(fn):
             self.pending_main = None
             self._fail("the interpreter refused a main-thread call (pending-call queue full)")
 
+    # pending_main stays set until the call has finished: _start/_stop release the GIL (imports,
+    # file I/O, profiler setup) and the control thread must not schedule the same thing twice
     def _main_start(self) -> None:
         if self.pending_main != "start" or self.state != ARMED:
             return  # cancelled, or an iteration boundary got there first
-        self.pending_main = None
-        self._start(None, "time")
+        log.info(f"time-based start, {time.perf_counter() - self.pending_since:.3f} s after scheduling")
+        try:
+            self._start(None, "time")
+        finally:
+            self.pending_main = None
 
     def _main_stop(self) -> None:
         if self.pending_main != "stop" or self.state != RECORDING:
             return
-        self.pending_main = None
-        self._stop()
+        log.info(f"time-based stop, {time.perf_counter() - self.pending_since:.3f} s after scheduling")
+        try:
+            self._stop()
+        finally:
+            self.pending_main = None
 
     def _fail(self, why: str) -> None:
         if self.sampler is not None:
@@ -206,7 +215,8 @@ class CaptureDriver:
             if self.pending_main == "start":
                 self.pending_main = None  # iterations appeared after all: use them
             if self.start_at is None:
-                self.start_at = req.start_at if req.start_at is not None else k + req.skip
+                # skip counts from the iteration in progress when the request arrived
+                self.start_at = req.start_at if req.start_at is not None else self.armed_count + req.skip
             if k < self.start_at:
                 if req.warmup and k == self.start_at - 1 and not self.prepared:
                     self._prepare()

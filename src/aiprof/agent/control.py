@@ -99,8 +99,7 @@ class ControlServer:
         assert self.sock is not None
         while not self._stop.is_set():
             try:
-                drv = self.agent.driver
-                busy = drv.state != "idle" or self.agent.patch_pending
+                busy = self.agent.needs_fast_poll()
                 self.sock.settimeout(ARMED_POLL_S if busy else IDLE_POLL_S)
                 try:
                     conn, _ = self.sock.accept()
