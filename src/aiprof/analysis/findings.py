@@ -24,7 +24,9 @@ HIGH, MEDIUM, LOW = "high", "medium", "low"
 STEP_OUTLIER_MIN_STEPS = 3  # a median needs a few steps
 STEP_OUTLIER_RATIO = 1.3  # step / median
 STEP_OUTLIER_MIN_US = 5_000.0  # and at least this much slower
-STEP_OUTLIER_HIGH_RATIO = 1.5
+STEP_OUTLIER_HIGH_RATIO = 1.5  # high needs this ratio and this much extra time
+STEP_OUTLIER_HIGH_MIN_US = 20_000.0
+STEP_OUTLIER_MAD_K = 5.0  # and beyond this many median absolute deviations (noise guard)
 # DATA_LOADING (share = GPU idle while loading / summed step time)
 DATA_LOADING_MIN_US = 1_000.0
 DATA_LOADING_MIN_SHARE = 0.03
@@ -99,23 +101,24 @@ def step_outlier(f: RankFacts) -> list[dict]:
         return []
     d = np.array([s.duration_us for s in f.steps])
     med = float(np.median(d))
+    mad = float(np.median(np.abs(d - med)))
     out = []
     for s in f.steps:
         extra = s.duration_us - med
-        if s.duration_us < STEP_OUTLIER_RATIO * med or extra < STEP_OUTLIER_MIN_US:
+        if s.duration_us < STEP_OUTLIER_RATIO * med or extra < STEP_OUTLIER_MIN_US or extra < STEP_OUTLIER_MAD_K * mad:
             continue
         cause, where, sugg = "", "", ""
         if f.diff is not None and f.diff.compare["step"] == s.step and f.diff.items:
             top = f.diff.items[0]
             where = _where(top)
-            cause = _describe(top, extra)
+            cause = _describe(top, extra, f.has_gpu)
             sugg = _fix_for(top, f)
         ratio = s.duration_us / med
         out.append(_f(
-            "STEP_OUTLIER", HIGH if ratio >= STEP_OUTLIER_HIGH_RATIO else MEDIUM,
+            "STEP_OUTLIER", HIGH if ratio >= STEP_OUTLIER_HIGH_RATIO and extra >= STEP_OUTLIER_HIGH_MIN_US else MEDIUM,
             f"step {s.step} took {_ms(s.duration_us)}, {ratio:.2f}x the median {_ms(med)}", f.rank, s.step, where,
             extra,
-            {"step_us": s.duration_us, "median_us": med, "extra_us": extra,
+            {"step_us": s.duration_us, "median_us": med, "mad_us": mad, "extra_us": extra,
              "root_items": [_item_ev(i) for i in (f.diff.items[:5] if f.diff and f.diff.compare["step"] == s.step else [])]},
             (f"{cause}. {sugg.rstrip('.')}." if cause else "Compare it with `aiprof diff` to see what the extra time went to.")
             + f" Expected saving: up to {_ms(extra)} on this step."))
@@ -136,12 +139,12 @@ def _where(item) -> str:
     return item.name
 
 
-def _describe(item, extra: float) -> str:
+def _describe(item, extra: float, gpu: bool = True) -> str:
     share = 100.0 * item.delta_us / extra if extra else 0.0
     if item.kind == "gap":
         where = f" (called from {item.site})" if item.site and item.site not in item.name else ""
-        return (f"{_ms(item.delta_us)} ({share:.0f}% of the extra time) is GPU idle while the host was in "
-                f"{item.name}{where}")
+        what = "GPU idle while the host was in" if gpu else "host time in"
+        return f"{_ms(item.delta_us)} ({share:.0f}% of the extra time) is {what} {item.name}{where}"
     return f"{_ms(item.delta_us)} ({share:.0f}%) is extra GPU time in {item.kind} {item.name[:80]} ({item.delta_calls:+d} calls)"
 
 

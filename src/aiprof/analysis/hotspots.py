@@ -427,7 +427,8 @@ def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30) -> Hotspo
     steps = steps if steps is not None else find_steps(rt)
     tree = host_tree(rt)
     lo, hi = analysis_window(rt, steps)
-    win = max(hi - lo, 1)
+    a_s, b_s = _windows(rt, steps)
+    win = max(int((b_s - a_s).sum()), 1)
     gpu = has_gpu(rt)
     u = gpu_unions(rt)
     busy = u.all
@@ -457,8 +458,8 @@ def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30) -> Hotspo
                 gpu_us=float(g[c]) / NS_PER_US, idle_us=float(idl[c]) / NS_PER_US,
                 bottleneck_ratio=float(idl[c]) / win,
             ))
-    classes = class_ratios(rt, steps, tree, lo, hi) if gpu else []
-    gpu_idle = float(idle_ns(busy, np.array([lo]), np.array([hi]))[0]) if gpu else 0.0
+    classes = class_ratios(rt, steps, tree) if gpu else []
+    gpu_idle = float(idle_ns(busy, a_s, b_s).sum()) if gpu else 0.0
     return Hotspots(window_us=win / NS_PER_US, gpu_idle_us=gpu_idle / NS_PER_US, items=items,
                     classes=classes, has_gpu=gpu)
 
@@ -479,21 +480,30 @@ HOST_CLASSES = ("host: python", "host: op dispatch", "host: cuda runtime", "host
                 "host: no traced event", "host: data loading")
 
 
-def class_ratios(rt: RankTrace, steps: Steps, tree: HostTree, lo: int, hi: int) -> list[ClassRatio]:
-    """Bottleneck ratio per class over the window [lo, hi) (definitions in docs/metrics.md).
+def _windows(rt: RankTrace, steps: Steps) -> tuple[np.ndarray, np.ndarray]:
+    """Step windows (or the whole trace as one window when there are no steps)."""
+    if len(steps):
+        return steps.start.astype(np.int64), steps.end.astype(np.int64)
+    lo, hi = window(rt)
+    return np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64)
+
+
+def class_ratios(rt: RankTrace, steps: Steps, tree: HostTree) -> list[ClassRatio]:
+    """Bottleneck ratio per class over the step windows (definitions in docs/metrics.md).
 
     GPU classes: compute time; memory-op time not overlapped by compute; communication time of
     each collective type not overlapped by compute. Host classes split the GPU-idle time by the
     main thread's innermost event (data loading first).
     """
-    win = max(hi - lo, 1)
+    lo, hi = _windows(rt, steps)
+    win = max(int((hi - lo).sum()), 1)
     u = gpu_unions(rt)
     out: list[ClassRatio] = []
-    comp = int(u.compute.covered(lo, hi)[0])
+    comp = int(u.compute.covered(lo, hi).sum())
     out.append(ClassRatio("gpu: compute", comp / NS_PER_US, comp / win))
     from aiprof.analysis.intervals import union_of
 
-    mem = int(union_of(u.compute, u.memory).covered(lo, hi)[0]) - comp
+    mem = int(union_of(u.compute, u.memory).covered(lo, hi).sum()) - comp
     out.append(ClassRatio("gpu: memory ops", mem / NS_PER_US, mem / win))
     k = rt.kernels
     if len(k):
@@ -504,7 +514,7 @@ def class_ratios(rt: RankTrace, steps: Steps, tree: HostTree, lo: int, hi: int) 
         for t in sorted(set(types[is_comm])):
             m = is_comm & (types == t)
             cu = union(k["ts"][m], (k["ts"] + k["dur"])[m])
-            exposed = int(union_of(u.compute, cu).covered(lo, hi)[0]) - comp
+            exposed = int(union_of(u.compute, cu).covered(lo, hi).sum()) - comp
             out.append(ClassRatio(f"gpu: communication {t}", exposed / NS_PER_US, exposed / win))
     if len(steps):
         gaps = gpu_gaps(rt, steps, tree, u.all)

@@ -144,7 +144,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
     hs = hotspots(rt, steps, top=top)
     classes = {c.cls: c.time_us for c in hs.classes}
     ka = kernel_analysis(rt, len(steps), top)
-    ra = runtime_analysis(rt, step_of=_step_of(steps), top=top)
+    ra = runtime_analysis(rt, steps, top=top)
     ca = comm_analysis(rt, int(steps.start.min()), int(steps.end.max())) if len(steps) else comm_analysis(rt)
     precision = max(ka.precision_us, key=ka.precision_us.get) if ka.precision_us else "bf16"
     if precision in ("unknown", ""):

@@ -8,6 +8,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP, PYTHON, gpu_busy, has_gpu, host_tree, idle_ns
 from aiprof.analysis.launch import launch_rows
+from aiprof.analysis.steps import Steps, find_steps
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
 
@@ -80,12 +81,14 @@ def launch_delay(rt: RankTrace) -> dict:
     return out
 
 
-def runtime_analysis(rt: RankTrace, step_numbers: np.ndarray | None = None,
-                     step_of=None, top: int = 15) -> RuntimeAnalysis:
-    """Per-call statistics, blocking syncs by site, and launch delay.
+def runtime_analysis(rt: RankTrace, steps: Steps | None = None, top: int = 15) -> RuntimeAnalysis:
+    """Per-call statistics, blocking syncs by site (with the steps they occur in), launch delay."""
+    steps = steps if steps is not None else find_steps(rt)
 
-    ``step_of`` maps host timestamps to a step number (or -1); used to list where syncs happen.
-    """
+    def step_of(ts: np.ndarray) -> np.ndarray:
+        i = steps.index_of(ts)
+        return np.where(i >= 0, steps.number[np.maximum(i, 0)], -1)
+
     r = rt.runtime
     if not len(r):
         return RuntimeAnalysis([], [], launch_delay(rt))
