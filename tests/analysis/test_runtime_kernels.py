@@ -64,6 +64,7 @@ def test_ddp_input_copy_sync(ddp):
     ("ampere_sgemm_32x128_tn", True, False, "fp32"),
     ("void gemv2T_kernel_val<int, int, float, float, float, float, 128, 16, 4, 4, false, false>(float)", True, False, "fp32"),
     ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, void*)", False, False, ""),
+    ("cutlass_80_simt_sgemm_128x128_8x4_nn_align1", True, False, "fp32"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)", False, False, "fp32"),
 ])
 def test_kernel_name_classes(name, mm, tc, prec):

@@ -65,7 +65,7 @@ _NOT_MATMUL_WORDS = ("convert_", "dq_to_")
 _TENSOR_CORE_WORDS = ("tensorop", "wgmma", "hmma", "imma", "xmma", "mma_", "s16816", "h16816",
                       "s1688", "h1688", "i8816", "nvjet", "sm90_", "sm80_", "sm100_", "tf32",
                       "flash", "fmha", "bf16", "fp16", "f16", "e4m3", "e5m2", "fp8", "int8")
-_NON_TC_WORDS = ("sgemm", "gemv", "gemmsn", "dot_kernel", "gemvx", "gemv2")
+_NON_TC_WORDS = ("sgemm", "gemv", "gemmsn", "dot_kernel", "gemvx", "gemv2", "simt", "f32f32_f32f32")
 # precision tokens, most specific first (a name says bf16 and also contains f16)
 _PRECISION_TOKENS = (("fp8", ("e4m3", "e5m2", "fp8", "f8")), ("int8", ("int8", "i8816", "imma", "s8")),
                      ("bf16", ("bf16", "bfloat16")), ("tf32", ("tf32",)),
