@@ -1,0 +1,346 @@
+"""Level-of-detail (LOD) timeline index for the web UI: lanes of non-overlapping slices and
+window queries whose cost depends on the pixels asked for, not on the events in the window.
+
+A *lane* is one row of the timeline: a host thread at one nesting depth (Python frames, ops,
+annotations and runtime calls, nested by :func:`aiprof.analysis.hotspots.host_tree`), one GPU
+stream (kernels, memcpy, memset; the rare overlapping GPU events get an "overlap" lane, never
+a clipped duration), or the steps band. Slices in a lane do not overlap, so a lane sorted by
+start is also sorted by (running-max) end, and a window is two binary searches.
+
+:func:`window` answers "what to draw for ``[t0, t1)`` at ``px`` pixels": in a lane with few
+events in the window every event is returned; otherwise only the events at least one pixel
+wide (found through per-lane duration levels, so never scanning the window) plus one summary
+per pixel column (events starting there and the fraction of it they cover, from prefix sums).
+Per lane the work is O(px log n) whatever the number of events in the window.
+
+Times in the index are absolute ns (trace clock); the API converts to an origin.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON, RUNTIME, HostTree, host_tree
+from aiprof.analysis.launch import launch_rows
+from aiprof.analysis.steps import find_steps
+from aiprof.flame.nesting import nest
+from aiprof.trace.store import RankTrace
+
+SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps")
+_TREE_KIND_TO_SOURCE = {PYTHON: 0, OP: 1, RUNTIME: 2, ANNOTATION: 3}
+# Duration levels (ns): level k holds the events with dur >= 1 µs * 4**k. A query at b ns per
+# pixel reads the level just below b, which holds at most ~4 events per pixel column.
+LEVEL_NS = np.array([1000 * 4 ** k for k in range(14)], dtype=np.int64)
+MAX_PX = 8192  # a window query never asks for more columns than a very wide screen has
+FULL_DETAIL_MIN = 256  # a lane with at most max(this, px / 4) events in the window is sent whole
+
+
+@dataclass
+class Lane:
+    """One timeline row; arrays sorted by start."""
+
+    id: int
+    group: str  # steps | host | gpu
+    track: str  # e.g. "thread 123 (python)" or "GPU 0 stream 7"
+    depth: int
+    start: np.ndarray
+    end: np.ndarray
+    name: np.ndarray  # code into TimelineIndex.labels
+    source: np.ndarray  # index into SOURCES
+    row: np.ndarray  # row in the source table
+    endmax: np.ndarray = field(repr=False, default=None)  # running max of end (sorted)
+    cum: np.ndarray = field(repr=False, default=None)  # prefix sums of duration, len n+1
+    levels: list[np.ndarray] = field(repr=False, default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def finish(self) -> "Lane":
+        order = np.argsort(self.start, kind="stable")
+        for k in ("start", "end", "name", "source", "row"):
+            setattr(self, k, getattr(self, k)[order])
+        dur = self.end - self.start
+        self.endmax = np.maximum.accumulate(self.end) if len(self.end) else self.end
+        self.cum = np.concatenate([[0], np.cumsum(dur)]).astype(np.int64)
+        self.levels = []
+        for t in LEVEL_NS:
+            idx = np.nonzero(dur >= t)[0]
+            self.levels.append(idx)
+            if not len(idx):
+                break
+        return self
+
+
+@dataclass
+class TimelineIndex:
+    """All lanes of one rank plus where each source row ended up."""
+
+    rank: int
+    lanes: list[Lane]
+    labels: list[str]
+    start_ns: int
+    end_ns: int
+    # per source table: lane id and position in the lane of each row (-1 = not on the timeline)
+    where: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
+    tree: HostTree | None = field(default=None, repr=False)
+
+    @property
+    def events(self) -> int:
+        return int(sum(len(l) for l in self.lanes))
+
+    def locate(self, source: str, row: int) -> tuple[int, int]:
+        """(lane id, position) of a source row, or (-1, -1)."""
+        w = self.where.get(source)
+        if w is None or not 0 <= row < len(w[0]):
+            return -1, -1
+        return int(w[0][row]), int(w[1][row])
+
+
+def _thread_labels(rt: RankTrace) -> dict[int, str]:
+    th = rt.threads
+    if not len(th):
+        return {}
+    return {int(t): str(n) for t, n in zip(th["tid"], th["name"]) if t >= 0 and str(n)}
+
+
+class _Labels:
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}
+
+    def remap(self, labels: list[str]) -> np.ndarray:
+        return np.array([self.index.setdefault(s, len(self.index)) for s in labels]
+                        + [self.index.setdefault("", len(self.index))], dtype=np.int32)
+
+    def list(self) -> list[str]:
+        return list(self.index)
+
+
+def build_index(rt: RankTrace) -> TimelineIndex:
+    """Build the lanes of one rank (cached on the rank object)."""
+    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    if "timeline_index" in cache:
+        return cache["timeline_index"]
+    labels = _Labels()
+    lanes: list[Lane] = []
+    where: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    st = find_steps(rt)
+    for s in SOURCES:
+        n = len(st) if s == "steps" else len(rt.table(s))
+        where[s] = (np.full(n, -1, np.int32), np.full(n, -1, np.int64))
+
+    def add(lane: Lane) -> None:
+        lane.finish()
+        lanes.append(lane)
+        for si in np.unique(lane.source).tolist():
+            m = lane.source == si
+            src = SOURCES[si]
+            if src in where:
+                where[src][0][lane.row[m]] = lane.id
+                where[src][1][lane.row[m]] = np.nonzero(m)[0]
+
+    # steps band
+    if len(st) and st.source != "window":
+        names = labels.remap([f"step {n}" for n in st.number.tolist()])
+        add(Lane(len(lanes), "steps", "steps", 0, st.start.astype(np.int64), np.maximum(st.end, st.start + 1),
+                 names[np.arange(len(st))], np.full(len(st), SOURCES.index("steps"), np.int8),
+                 np.arange(len(st), dtype=np.int64)))
+    # host threads: the analyses' call tree, one lane per (thread, depth)
+    tree = host_tree(rt)
+    if len(tree):
+        code_map = labels.remap(tree.labels)
+        tlabels = _thread_labels(rt)
+        src_of_kind = np.array([_TREE_KIND_TO_SOURCE[k] for k in range(4)], np.int8)
+        key = tree.tid.astype(np.int64)
+        for tid in np.unique(key).tolist():
+            m_t = key == tid
+            depths = tree.depth[m_t]
+            label = tlabels.get(tid) or f"thread {tid}"
+            if tid == tree.main_tid:
+                label += " · main"
+            idx_t = np.nonzero(m_t)[0]
+            for d in np.unique(depths).tolist():
+                idx = idx_t[depths == d]
+                add(Lane(len(lanes), "host", label, int(d), tree.start[idx], tree.end[idx], code_map[tree.code[idx]],
+                         src_of_kind[tree.kind[idx]], tree.row[idx].astype(np.int64)))
+    # GPU streams
+    parts = []
+    for s in ("kernels", "memops"):
+        t = rt.table(s)
+        if len(t):
+            nm = t.strings("name")
+            parts.append((SOURCES.index(s), t, labels.remap(nm.labels)[nm.codes]))
+    if parts:
+        dev = np.concatenate([t["device"] for _, t, _ in parts]).astype(np.int64)
+        stream = np.concatenate([t["stream"] for _, t, _ in parts]).astype(np.int64)
+        start = np.concatenate([t["ts"] for _, t, _ in parts]).astype(np.int64)
+        end = start + np.concatenate([t["dur"] for _, t, _ in parts]).astype(np.int64)
+        name = np.concatenate([c for _, _, c in parts])
+        src = np.concatenate([np.full(len(t), si, np.int8) for si, t, _ in parts])
+        row = np.concatenate([np.arange(len(t), dtype=np.int64) for _, t, _ in parts])
+        skey = dev * (1 << 32) + stream
+        for k in np.unique(skey).tolist():
+            idx = np.nonzero(skey == k)[0]
+            d, s = int(k >> 32), int(k & 0xFFFFFFFF)
+            ns = nest(start[idx], end[idx])
+            o = idx[ns.order]
+            for lane_d in np.unique(ns.depth).tolist():
+                m = ns.depth == lane_d
+                oo = o[m]
+                track = f"GPU {d} stream {s}" + (f" (overlap {lane_d})" if lane_d else "")
+                add(Lane(len(lanes), "gpu", track, 0, start[oo], end[oo], name[oo], src[oo], row[oo]))
+    lo = min((int(l.start[0]) for l in lanes if len(l)), default=0)
+    hi = max((int(l.endmax[-1]) for l in lanes if len(l)), default=lo + 1)
+    tl = TimelineIndex(rt.rank, lanes, labels.list(), lo, max(hi, lo + 1), where, tree)
+    cache["timeline_index"] = tl
+    return tl
+
+
+def lanes_info(tl: TimelineIndex) -> list[dict]:
+    """The lanes (without their events), in display order."""
+    return [{"id": l.id, "group": l.group, "track": l.track, "depth": l.depth, "events": len(l)} for l in tl.lanes]
+
+
+def window(tl: TimelineIndex, t0: int, t1: int, px: int, lane_ids: list[int] | None = None,
+           max_events: int = 50_000, origin: int = 0) -> dict:
+    """What to draw for ``[t0, t1)`` (absolute ns) at ``px`` pixel columns; times in the answer
+    are ns after ``origin``.
+
+    Returns ``{"bucket_ns", "lanes": [{"id", "events": {start,end,name,source,row}, "summary":
+    {col,count,busy}}], "names": {code: label}, "truncated"}``; ``busy`` is the share of the
+    column covered by events starting in it (capped at 1). At most ``max_events`` events in all.
+    """
+    px = int(min(max(px, 1), MAX_PX))
+    t0, t1 = int(t0), int(max(t1, t0 + 1))
+    bw = (t1 - t0) / px
+    ids = range(len(tl.lanes)) if lane_ids is None else [i for i in lane_ids if 0 <= i < len(tl.lanes)]
+    out, codes_seen, budget, truncated = [], [], max_events, False
+    edges = np.floor(t0 + bw * np.arange(px + 1)).astype(np.int64)
+    for i in ids:
+        lane = tl.lanes[i]
+        if not len(lane):
+            continue
+        lo = int(np.searchsorted(lane.endmax, t0, side="right"))
+        hi = int(np.searchsorted(lane.start, t1, side="left"))
+        if hi <= lo:
+            continue
+        entry: dict = {"id": lane.id}
+        if hi - lo <= max(FULL_DETAIL_MIN, px // 4):
+            sel = np.arange(lo, hi)
+        else:
+            # events >= 1 px wide, from the duration level just below the pixel width
+            k = int(np.searchsorted(LEVEL_NS, bw, side="right")) - 1
+            if k < 0:
+                sel = np.arange(lo, hi)
+            else:
+                lev = lane.levels[min(k, len(lane.levels) - 1)] if lane.levels else np.zeros(0, np.int64)
+                a, b = np.searchsorted(lev, [lo, hi])
+                sel = lev[a:b]
+                sel = sel[(lane.end[sel] - lane.start[sel]) >= bw]
+            # per-column summary of everything else, from binary searches and prefix sums
+            pos = np.searchsorted(lane.start, edges, side="left")
+            cnt = np.diff(pos)
+            cov = (lane.cum[pos[1:]] - lane.cum[pos[:-1]]) / bw
+            nz = np.nonzero(cnt)[0]
+            entry["summary"] = {"col": nz.tolist(), "count": cnt[nz].tolist(),
+                                "busy": np.round(np.minimum(cov[nz], 1.0), 3).tolist()}
+        if len(sel) > budget:
+            sel, truncated = sel[:budget], True
+        budget -= len(sel)
+        entry["events"] = {"start": (lane.start[sel] - origin).tolist(), "end": (lane.end[sel] - origin).tolist(),
+                           "name": lane.name[sel].tolist(), "source": lane.source[sel].tolist(),
+                           "row": lane.row[sel].tolist()}
+        codes_seen.append(lane.name[sel])
+        out.append(entry)
+    codes = np.unique(np.concatenate(codes_seen)) if codes_seen else np.zeros(0, np.int32)
+    return {"t0": t0 - origin, "t1": t1 - origin, "px": px, "bucket_ns": bw, "lanes": out,
+            "names": {int(c): tl.labels[c] for c in codes.tolist()}, "truncated": truncated}
+
+
+def search(tl: TimelineIndex, query: str, limit: int = 100) -> dict:
+    """Events whose name contains ``query`` (case-insensitive), earliest first."""
+    q = query.lower()
+    codes = np.array([i for i, s in enumerate(tl.labels) if q in s.lower()], dtype=np.int32)
+    hits: list[tuple[int, int, np.ndarray]] = []
+    total = 0
+    if len(codes):
+        for lane in tl.lanes:
+            m = np.nonzero(np.isin(lane.name, codes))[0]
+            total += len(m)
+            if len(m):
+                hits.append((lane.id, len(m), m[:limit]))
+    rows = []
+    for lid, _, pos in hits:
+        lane = tl.lanes[lid]
+        for p in pos.tolist():
+            rows.append({"lane": lid, "start": int(lane.start[p]), "end": int(lane.end[p]),
+                         "name": tl.labels[lane.name[p]], "source": SOURCES[lane.source[p]], "row": int(lane.row[p])})
+    rows.sort(key=lambda r: r["start"])
+    return {"query": query, "total": total, "events": rows[:limit]}
+
+
+def _row_dict(rt: RankTrace, source: str, row: int) -> dict:
+    t = rt.table(source)
+    out = {}
+    for k, col in t.columns.items():
+        v = col.labels[col.codes[row]] if hasattr(col, "labels") and col.codes[row] < len(col.labels) else (
+            "" if hasattr(col, "labels") else col[row])
+        out[k] = v.item() if isinstance(v, np.generic) else v
+    return out
+
+
+def _ref(tl: TimelineIndex, source: str, row: int) -> dict | None:
+    lid, pos = tl.locate(source, row)
+    if lid < 0:
+        return None
+    lane = tl.lanes[lid]
+    return {"lane": lid, "source": source, "row": row, "name": tl.labels[lane.name[pos]],
+            "start": int(lane.start[pos]), "end": int(lane.end[pos])}
+
+
+def event_detail(rt: RankTrace, tl: TimelineIndex, source: str, row: int) -> dict:
+    """One event's table row plus its links: launch call, launching op and Python stack of GPU
+    work; GPU work launched by a runtime call; the call stack of a host event."""
+    if source not in SOURCES:
+        raise KeyError(source)
+    if source == "steps":
+        st = find_steps(rt)
+        if not 0 <= row < len(st):
+            raise IndexError(row)
+        return {"ref": _ref(tl, source, row), "args": {"step": int(st.number[row]), "start_ns": int(st.start[row]),
+                                                        "end_ns": int(st.end[row])}}
+    t = rt.table(source)
+    if not 0 <= row < len(t):
+        raise IndexError(row)
+    out: dict = {"ref": _ref(tl, source, row), "args": _row_dict(rt, source, row)}
+    tree = tl.tree if tl.tree is not None else host_tree(rt)
+    node = -1
+    if source in ("kernels", "memops"):
+        lr = int(launch_rows(rt.runtime, t.take(np.array([row])))[0])
+        if lr >= 0:
+            out["launch"] = _ref(tl, "runtime", lr)
+            node = int(tree.runtime_node[lr]) if len(tree) else -1
+            if node >= 0:
+                op = int(tree.nearest(np.array([node]), OP)[0])
+                if op >= 0:
+                    out["op"] = _ref(tl, "ops", int(tree.row[op]))
+    elif len(tree):
+        kind = {"python": PYTHON, "ops": OP, "runtime": RUNTIME, "annotations": ANNOTATION}[source]
+        hit = np.nonzero((tree.kind == kind) & (tree.row == row))[0]
+        node = int(hit[0]) if len(hit) else -1
+        if source == "runtime" and "corr" in t.columns:
+            corr = int(t["corr"][row])
+            launched = []
+            for g in ("kernels", "memops"):
+                gt = rt.table(g)
+                if len(gt) and "corr" in gt.columns:
+                    for r in np.nonzero(gt["corr"] == corr)[0][:20].tolist():
+                        if int(launch_rows(rt.runtime, gt.take(np.array([r])))[0]) == row:
+                            ref = _ref(tl, g, r)
+                            if ref:
+                                launched.append(ref)
+            out["launched"] = launched
+    if node >= 0:
+        out["stack"] = [{"kind": ("python", "op", "runtime", "annotation")[tree.kind[n]], "name": tree.name(n)}
+                        for n in reversed(tree.ancestors(node))]
+    return out

@@ -1,0 +1,186 @@
+"""Small pure functions behind the UI's dashboard panels that no other analysis provides:
+GPU busy share over time, hardware samples (``hw.csv`` beside a captured trace), GPU activity
+and memory-operation distributions, annotation durations, histograms, and counters (memory,
+hardware) downsampled to a pixel width.
+
+Definitions are in docs/metrics.md ("Dashboard series"). Times are absolute ns on the trace
+clock unless a name says otherwise.
+"""
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from aiprof.analysis.hotspots import gpu_busy
+from aiprof.trace import classify
+from aiprof.trace.store import RankTrace
+
+NS_PER_US = 1000.0
+_CUDA_DEVICE_TYPE = 1
+HW_FILE = "hw.csv"
+
+
+def histogram(values, bins: int = 20) -> dict:
+    """Equal-width histogram: ``{"edges": [...bins+1], "counts": [...bins]}`` (empty input: no bins)."""
+    v = np.asarray(values, dtype=np.float64)
+    v = v[np.isfinite(v)]
+    if not len(v):
+        return {"edges": [], "counts": []}
+    bins = int(max(1, min(bins, 200)))
+    lo, hi = float(v.min()), float(v.max())
+    if hi <= lo:
+        hi = lo + max(abs(lo) * 1e-6, 1e-9)
+    counts, edges = np.histogram(v, bins=bins, range=(lo, hi))
+    return {"edges": edges.tolist(), "counts": counts.astype(int).tolist()}
+
+
+def gpu_busy_over_time(rt: RankTrace, lo: int, hi: int, bins: int = 200) -> dict:
+    """Share (%) of each of ``bins`` equal intervals of ``[lo, hi)`` in which the GPU ran anything
+    (kernels of any class, memcpy, memset): the trace-side "GPU utilisation" of SageMaker's
+    dashboard, exact rather than sampled."""
+    bins = int(max(1, min(bins, 4000)))
+    hi = max(int(hi), int(lo) + bins)
+    edges = np.linspace(int(lo), hi, bins + 1).astype(np.int64)
+    u = gpu_busy(rt)
+    cov = u.covered(edges[:-1], edges[1:]).astype(np.float64)
+    width = np.diff(edges).astype(np.float64)
+    return {"start_ns": int(lo), "bin_ns": float(width.mean()), "busy_pct": np.round(100.0 * cov / width, 2).tolist()}
+
+
+@dataclass
+class HwSamples:
+    """Hardware samples of one rank in long form: ``series[(device, metric)] = (ts_ns, value)``."""
+
+    path: str
+    series: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+
+    def metrics(self) -> list[dict]:
+        return [{"device": d, "metric": m, "samples": int(len(v[0]))} for (d, m), v in sorted(self.series.items())]
+
+
+def hw_path(rt: RankTrace) -> str | None:
+    """``hw.csv`` written by the capture agent beside this rank's trace, if there is one."""
+    p = os.path.join(os.path.dirname(os.path.abspath(rt.source)), HW_FILE)
+    return p if os.path.isfile(p) else None
+
+
+def load_hw(rt: RankTrace) -> HwSamples | None:
+    """Read the rank's ``hw.csv`` (``ts_us,device,metric,value``, trace clock); None when absent."""
+    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    if "hw" in cache:
+        return cache["hw"]
+    p = hw_path(rt)
+    out = None
+    if p:
+        acc: dict[tuple[str, str], tuple[list, list]] = {}
+        with open(p, newline="") as f:
+            for rec in csv.DictReader(f):
+                try:
+                    ts, val = float(rec["ts_us"]), float(rec["value"])
+                except (KeyError, TypeError, ValueError):
+                    continue  # a torn last line of an interrupted capture
+                a = acc.setdefault((rec.get("device") or "", rec.get("metric") or ""), ([], []))
+                a[0].append(ts)
+                a[1].append(val)
+        series = {}
+        for k, (t, v) in acc.items():
+            ts = np.round(np.array(t) * 1000.0).astype(np.int64)
+            o = np.argsort(ts, kind="stable")
+            series[k] = (ts[o], np.array(v, dtype=np.float64)[o])
+        out = HwSamples(p, series)
+    cache["hw"] = out
+    return out
+
+
+def downsample(ts: np.ndarray, values: np.ndarray, t0: int, t1: int, px: int, how: str = "max") -> dict:
+    """A counter over ``[t0, t1)`` reduced to at most ``px`` points (max, or mean, per column),
+    plus the value in force at ``t0`` so a step line starts at the left edge."""
+    px = int(max(1, min(px, 8192)))
+    ts, values = np.asarray(ts, np.int64), np.asarray(values, np.float64)
+    a, b = np.searchsorted(ts, [t0, t1])
+    before = float(values[a - 1]) if a > 0 else None
+    t, v = ts[a:b], values[a:b]
+    if len(t) > px:
+        col = ((t - t0) * px // max(t1 - t0, 1)).astype(np.int64)
+        starts = np.concatenate([[0], np.nonzero(np.diff(col))[0] + 1])
+        if how == "mean":
+            vv = np.add.reduceat(v, starts) / np.diff(np.concatenate([starts, [len(v)]]))
+        else:
+            vv = np.maximum.reduceat(v, starts)
+        t, v = t[starts], vv
+    return {"ts": t.tolist(), "value": v.tolist(), "before": before}
+
+
+def gpu_activity(rt: RankTrace) -> dict:
+    """GPU time and counts by activity: kernels, memcpy, memset, sync (``cuda_sync`` events)."""
+    out = {}
+    k = rt.kernels
+    out["kernels"] = {"count": int(len(k)), "time_us": float(k["dur"].sum()) / NS_PER_US if len(k) else 0.0}
+    m = rt.memops
+    for kind in ("memcpy", "memset"):
+        sel = (m.strings("kind").isin_labels(lambda s, kk=kind: s == kk)) if len(m) else np.zeros(0, bool)
+        out[kind] = {"count": int(sel.sum()), "time_us": float(m["dur"][sel].sum()) / NS_PER_US if len(m) else 0.0}
+    s = rt.gpu_sync
+    out["sync"] = {"count": int(len(s)), "time_us": float(s["dur"].sum()) / NS_PER_US if len(s) else 0.0}
+    return out
+
+
+def memop_distribution(rt: RankTrace) -> list[dict]:
+    """Per memory operation type (e.g. ``Memcpy HtoD (Pageable -> Device)``): count, bytes, time."""
+    m = rt.memops
+    if not len(m):
+        return []
+    names = m.strings("name")
+    n = len(names.labels)
+    cnt = np.bincount(names.codes, minlength=n)
+    byt = np.bincount(names.codes, weights=np.maximum(m["bytes"], 0), minlength=n)
+    dur = np.bincount(names.codes, weights=m["dur"], minlength=n)
+    out = [{"name": names.labels[c], "kind": classify.copy_kind(names.labels[c])[0]
+            or ("memset" if names.labels[c].startswith("Memset") else ""), "count": int(cnt[c]),
+            "bytes": int(byt[c]), "time_us": float(dur[c]) / NS_PER_US} for c in np.argsort(-dur) if cnt[c]]
+    return out
+
+
+def annotation_names(rt: RankTrace) -> list[dict]:
+    """Host ``record_function`` annotations (not ProfilerStep#N): name, calls, total time."""
+    a = rt.annotations
+    if not len(a):
+        return []
+    sel = ~a["gpu"] & ~a.strings("name").isin_labels(lambda s: s.startswith("ProfilerStep#"))
+    names = a.strings("name")
+    n = len(names.labels)
+    cnt = np.bincount(names.codes[sel], minlength=n)
+    tot = np.bincount(names.codes[sel], weights=a["dur"][sel], minlength=n)
+    return [{"name": names.labels[c], "calls": int(cnt[c]), "total_us": float(tot[c]) / NS_PER_US}
+            for c in np.argsort(-tot) if cnt[c]]
+
+
+def annotation_durations_us(rt: RankTrace, name: str) -> np.ndarray:
+    """Durations (µs) of every host annotation called ``name``."""
+    a = rt.annotations
+    if not len(a):
+        return np.zeros(0)
+    sel = ~a["gpu"] & a.strings("name").isin_labels(lambda s: s == name)
+    return a["dur"][sel] / NS_PER_US
+
+
+def memory_counters(rt: RankTrace) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """CUDA ``allocated`` and ``reserved`` bytes over time from the ``memory`` table (device of
+    the rank), sorted by time; empty when the trace has no memory events."""
+    m = rt.memory
+    if not len(m) or "total_allocated" not in m:
+        return {}
+    sel = m["device_type"] == _CUDA_DEVICE_TYPE
+    dev = rt.meta.get("device")
+    if dev is not None:
+        sel &= m["device_id"] == dev
+    out = {}
+    for col, label in (("total_allocated", "allocated"), ("total_reserved", "reserved")):
+        ok = sel & (m[col] >= 0)
+        if ok.any():
+            o = np.argsort(m["ts"][ok], kind="stable")
+            out[label] = (m["ts"][ok][o].astype(np.int64), m[col][ok][o].astype(np.float64))
+    return out
