@@ -58,6 +58,10 @@ def test_diff_two_ranks_finds_the_extra_matmuls(ddp2_dir):
     kern = [i for i in d.items if i.kind == "kernel" and i.delta_calls == 60]
     assert kern, "rank 1 runs 60 extra matmuls per step"
     assert kern[0].name.startswith("nvjet_") and 8_000 < kern[0].delta_us < 14_000
+    # builtins carry per-process addresses; items must match across the two processes
+    assert not any(" at 0x" in i.name for i in d.items + d.host_items)
+    rb = [i for i in d.host_items if i.name == "<built-in method run_backward of torch._C._EngineBase object>"]
+    assert rb and rb[0].base_calls == rb[0].compare_calls == 1
 
 
 def test_diff_cli(gpt2_stall, ddp2_dir, capsys):

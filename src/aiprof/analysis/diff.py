@@ -12,6 +12,7 @@ listed beside, as context for the gaps.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,14 @@ from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
 NO_HOST = "(no host event)"
+# Python builtins are named with their object's address ("... object at 0x7f3a..."), which
+# differs between processes: dropped so that two captures' items match.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def item_name(name: str) -> str:
+    """The name an item is matched by across steps and captures."""
+    return _ADDRESS.sub("", name)
 
 
 @dataclass
@@ -116,10 +125,15 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         calls = _calls_per_step(tree, steps)
         for k, tt, r in zip(uk, t, rep):
             s, cd = int(k // nl), int(k % nl)
-            name = labels[cd]
+            name = item_name(labels[cd])
             hk = KIND_NAMES[tree.kind[r]] if r >= 0 else ""
             stack = tree.stack(int(r)) if r >= 0 else []
             site = tree.user_site(int(r)) if r >= 0 else ""
+            prev = profs[s].items.get(("gap", name))
+            if prev is not None:  # two labels that differ only by an address
+                prev.time_ns += int(tt)
+                prev.calls += calls.get((s, cd), 0)
+                continue
             profs[s].items[("gap", name)] = Item("gap", name, int(tt), calls.get((s, cd), 0), hk, stack, site)
     # host items: Python functions and ops, inclusive time of outermost calls, calls
     if len(tree):
@@ -135,7 +149,9 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         kind_of[tree.code] = tree.kind
         for k, ii, cc in zip(uk, incl, cnt):
             s, cd = int(k // len(tree.labels)), int(k % len(tree.labels))
-            profs[s].host[(KIND_NAMES[kind_of[cd]], tree.labels[cd])] = (int(ii), int(cc))
+            key2 = (KIND_NAMES[kind_of[cd]], item_name(tree.labels[cd]))
+            pi, pc = profs[s].host.get(key2, (0, 0))
+            profs[s].host[key2] = (pi + int(ii), pc + int(cc))
     return [profs[i] for i in which]
 
 

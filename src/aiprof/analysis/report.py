@@ -187,7 +187,7 @@ def _straggler(cap: Capture, reports: list[RankReport], facts: list[rules.RankFa
     if wi == si:
         return
     d = diff_captures(cap.ranks[wi], cap.ranks[si], top=10_000)
-    kern = sorted((i for i in d.items if i.kind == "kernel" and i.delta_us > 0
+    kern = sorted((i for i in d.items if i.kind == "kernel" and i.delta_us > 0 and i.delta_calls > 0
                    and classify.kernel_class(i.name) == classify.COMPUTE), key=lambda i: -i.delta_us)
     extra = [{"name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls} for i in kern[:3]]
     n = max(len(reports[wi].steps), 1)
