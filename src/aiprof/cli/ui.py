@@ -1,0 +1,71 @@
+"""`aiprof ui CAPTURE_OR_TRACE...`: serve the web UI over a capture (binds 127.0.0.1 by default)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+from aiprof.errors import AiprofError, UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ui", help="open the web UI (dashboard, steps, tables, ranks, timeline, flame, memory)",
+                       description="Serve a local web UI over a capture directory or trace files "
+                                   "(one per rank). Open the printed URL in a browser.")
+    p.add_argument("paths", nargs="+", metavar="CAPTURE_OR_TRACE", help="capture directory or trace file(s)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8642, help="port (default 8642; 0 picks a free one)")
+    p.add_argument("--entry", metavar="NAME", help="function/annotation that marks one iteration")
+    p.add_argument("--memory-snapshot", metavar="FILE",
+                   help="a torch.cuda.memory._snapshot() pickle (.pickle or .pickle.gz) for the Memory page")
+    p.add_argument("--open", action="store_true", help="open the UI in the default browser")
+    p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from aiprof.server.app import create_app, static_built
+    except ModuleNotFoundError as exc:
+        raise AiprofError(f"the web UI needs the 'ui' extra ({exc.name} is missing): pip install 'aiprof[ui]'") from None
+    from aiprof.server.data import CaptureData
+    from aiprof.trace.store import open_capture
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, not {args.port}")
+    if args.memory_snapshot and not os.path.isfile(args.memory_snapshot):
+        raise UsageError(f"--memory-snapshot {args.memory_snapshot}: no such file")
+    cap = open_capture(args.paths, use_cache=not args.no_cache)
+    data = CaptureData(cap, entry=args.entry, memory_snapshot=args.memory_snapshot)
+    if not static_built():
+        print("aiprof: warning: the UI's front end is not built (run `make setup`); only /api works", file=sys.stderr)
+    # analyse in the background so the first page is quick; requests wait on the same memo
+    threading.Thread(target=data.report, daemon=True).start()
+    config = uvicorn.Config(create_app(data), host=args.host, port=args.port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+
+    def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            threading.Event().wait(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+        url = f"http://{host}:{port}/"
+        print(f"aiprof ui: serving {len(cap.ranks)} rank(s) on {url}  (Ctrl-C stops)", flush=True)
+        if args.open:
+            import webbrowser
+
+            webbrowser.open(url)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run()
+    except OSError as exc:
+        raise AiprofError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    if not server.started:
+        raise AiprofError(f"cannot serve on {args.host}:{args.port} (address in use?)")
+    return 0

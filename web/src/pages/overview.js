@@ -1,0 +1,136 @@
+// Dashboard: SageMaker-Profiler-like panels, findings on top. Numbers come from /api/overview.
+import { api, STATIC } from '../api.js';
+import { chart, PALETTE } from '../charts.js';
+import { esc, us, pct, bytes, short, mid, h } from '../fmt.js';
+
+const SEV = { high: 'sev-high', medium: 'sev-medium', low: 'sev-low' };
+
+function panel(root, id, title, note = '') {
+  const el = h(`<section class="panel" id="p-${id}"><h3>${esc(title)}</h3>${note ? `<div class="hint">${note}</div>` : ''}<div class="chart" id="c-${id}"></div></section>`);
+  root.appendChild(el);
+  return el.querySelector('.chart');
+}
+
+function pie(el, name, data, fmt = us) {
+  return chart(el, name, {
+    tooltip: { trigger: 'item', valueFormatter: fmt },
+    legend: { bottom: 0, type: 'scroll' },
+    series: [{ type: 'pie', radius: ['35%', '65%'], center: ['50%', '45%'], data,
+      label: { formatter: (p) => `${p.name}\n${p.percent.toFixed(1)}%` } }],
+  });
+}
+
+function hbar(el, name, labels, values, fmt, color) {
+  return chart(el, name, {
+    grid: { left: 8, right: 60, top: 8, bottom: 8, containLabel: true },
+    tooltip: { trigger: 'axis', axisPointer: { type: 'shadow' }, valueFormatter: fmt },
+    xAxis: { type: 'value', axisLabel: { formatter: fmt } },
+    yAxis: { type: 'category', data: labels.map((s) => mid(s.replace(/^void /, ''), 44)), inverse: true, axisLabel: { fontSize: 10, width: 230, overflow: 'truncate' } },
+    series: [{ type: 'bar', data: values, itemStyle: { color }, label: { show: true, position: 'right', formatter: (p) => fmt(p.value), fontSize: 10 } }],
+  });
+}
+
+export default async function overview(root, { rank }) {
+  const k0 = 15;
+  const d = await api('overview', { rank, k: k0 });
+  const s = d.summary || {};
+  root.appendChild(h(`<div class="findings" id="findings">
+    <h2>Findings <span class="count">${d.findings.length}</span></h2>
+    ${d.findings.length ? '' : '<div class="hint">No finding for this rank.</div>'}
+    ${d.findings.map((f) => `<div class="finding ${SEV[f.severity] || ''}" data-code="${esc(f.code)}">
+      <div class="f-head"><span class="sev">${esc(f.severity)}</span> <code>${esc(f.code)}</code> ${esc(f.title)}
+      <span class="impact">impact ${us(f.impact_us)}</span></div>
+      ${f.where ? `<div class="f-where">where: <code>${esc(short(f.where, 160))}</code></div>` : ''}
+      <div class="f-sugg">${esc(f.suggestion)}</div></div>`).join('')}
+  </div>`));
+  root.appendChild(h(`<div class="kpis" id="kpis">
+    <div class="kpi"><b id="kpi-steps">${s.steps ?? 0}</b><span>steps (${esc(d.step_source)})</span></div>
+    <div class="kpi"><b id="kpi-median">${us(s.step_median_us)}</b><span>median step</span></div>
+    <div class="kpi"><b id="kpi-max">${us(s.step_max_us)}</b><span>slowest step</span></div>
+    <div class="kpi"><b id="kpi-busy">${pct(d.gpu.busy_pct)}</b><span>GPU busy in steps</span></div>
+    <div class="kpi"><b id="kpi-launches">${d.kernels.launches}</b><span>kernel launches (${d.kernels.distinct} distinct)</span></div>
+    <div class="kpi"><b>${us(d.kernels.total_us)}</b><span>GPU kernel time</span></div>
+    <div class="kpi"><b>${esc(d.device.name || '–')}</b><span>rank ${d.rank}${d.host ? ' · ' + esc(d.host) : ''}</span></div>
+  </div>`));
+  const grid = h('<div class="grid"></div>');
+  root.appendChild(grid);
+
+  pie(panel(grid, 'gpu-active', 'GPU active vs idle (in steps)'), 'gpu-active', [
+    { name: 'active', value: d.gpu.busy_us, itemStyle: { color: PALETTE.busy } },
+    { name: 'idle', value: d.gpu.idle_us, itemStyle: { color: PALETTE.idle } }]);
+
+  // GPU utilisation over time: exact busy share from the trace per rank (grouped by node), and
+  // the sampled NVML utilisation per GPU when the capture has hw.csv.
+  const hasHw = d.hw.gpu_util.length > 0;
+  const elU = panel(grid, 'gpu-util', 'GPU utilisation over time',
+    (hasHw ? 'trace: busy share per bin · NVML: sampled per GPU' : 'busy share per bin, from the trace. <b class="nohw">No hardware samples (hw.csv) in this capture</b>: per-GPU NVML utilisation is shown only for captures made with <code>aiprof run/attach</code>.'));
+  const o = d.window.start_ns;
+  const series = d.gpu_util.map((u) => ({ name: `${u.host} rank ${u.rank} (trace)`, type: 'line', showSymbol: false, step: 'end',
+    data: u.busy_pct.map((v, i) => [(u.start_ns - o + i * u.bin_ns) / 1e6, v]) }));
+  for (const x of d.hw.gpu_util) series.push({ name: `${x.device} (NVML)`, type: 'line', showSymbol: false, lineStyle: { type: 'dashed' },
+    data: x.ts.map((t, i) => [(t - o) / 1e6, x.value[i]]) });
+  chart(elU, 'gpu-util', { tooltip: { trigger: 'axis' }, legend: { bottom: 0, type: 'scroll' },
+    grid: { left: 45, right: 15, top: 10, bottom: 50 },
+    xAxis: { type: 'value', name: 'ms', nameLocation: 'end', min: 0 }, yAxis: { type: 'value', max: 100, name: '%' }, series });
+
+  const elC = panel(grid, 'cpu', 'CPU utilisation over time');
+  if (d.hw.cpu.length) {
+    chart(elC, 'cpu', { tooltip: { trigger: 'axis' }, legend: { bottom: 0 }, grid: { left: 45, right: 15, top: 10, bottom: 50 },
+      xAxis: { type: 'value', name: 'ms' }, yAxis: { type: 'value', name: '%' },
+      series: d.hw.cpu.map((x) => ({ name: `${x.device} ${x.metric}`, type: 'line', showSymbol: false,
+        data: x.ts.map((t, i) => [(t - o) / 1e6, x.value[i]]) })) });
+  } else {
+    elC.replaceWith(h('<div class="empty">CPU utilisation was not captured (no <code>hw.csv</code> beside this trace). Capture with <code>aiprof run</code> to record it.</div>'));
+  }
+
+  // top-k kernels by time and by launches (k adjustable)
+  const kp = h(`<section class="panel wide" id="p-kernels"><h3>GPU kernels: time and launches
+      <label class="k">top <input id="topk" type="number" min="1" max="200" value="${d.kernels.k}"></label></h3>
+      <div class="hint" id="kernels-all">all kernels: ${us(d.kernels.total_us)} in ${d.kernels.launches} launches</div>
+      <div class="two"><div class="chart tall" id="c-kernel-time"></div><div class="chart tall" id="c-kernel-calls"></div></div></section>`);
+  grid.appendChild(kp);
+  const drawKernels = (top) => {
+    const names = top.map((x) => x.name);
+    hbar(kp.querySelector('#c-kernel-time'), 'kernel-time', names, top.map((x) => x.total_us), us, PALETTE.compute);
+    hbar(kp.querySelector('#c-kernel-calls'), 'kernel-calls', names, top.map((x) => x.calls), (v) => String(v), '#76b7b2');
+  };
+  drawKernels(d.kernels.top);
+  kp.querySelector('#topk').addEventListener('change', async (e) => {
+    if (STATIC) return;
+    const k = Math.max(1, Math.min(200, +e.target.value || 15));
+    const dd = await api('overview', { rank, k });
+    drawKernels(dd.kernels.top);
+  });
+
+  const hist = d.step_hist;
+  chart(panel(grid, 'step-hist', 'Step duration histogram'), 'step-hist', {
+    tooltip: { trigger: 'axis' }, grid: { left: 40, right: 10, top: 10, bottom: 40 },
+    xAxis: { type: 'category', data: hist.counts.map((_, i) => `${(hist.edges[i] / 1e3).toFixed(1)}–${(hist.edges[i + 1] / 1e3).toFixed(1)}`), name: 'ms', axisLabel: { rotate: 30, fontSize: 9 } },
+    yAxis: { type: 'value', minInterval: 1, name: 'steps' },
+    series: [{ type: 'bar', data: hist.counts, itemStyle: { color: PALETTE.compute } }] });
+
+  pie(panel(grid, 'precision', 'Kernel precision (GPU time)'), 'precision',
+    Object.entries(d.precision_us).map(([name, value]) => ({ name, value })));
+  pie(panel(grid, 'activity', 'GPU activity (time)'), 'activity',
+    Object.entries(d.activity).map(([name, x]) => ({ name: `${name} (${x.count})`, value: x.time_us })));
+  const elM = panel(grid, 'memops', 'GPU memory operations (time)');
+  if (d.memops.length) pie(elM, 'memops', d.memops.map((m) => ({ name: `${m.name} ×${m.count} · ${bytes(m.bytes)}`, value: m.time_us })));
+  else elM.replaceWith(h('<div class="empty">No memcpy/memset in this trace.</div>'));
+
+  // histograms of custom annotations (record_function), chosen by the user
+  const ap = h(`<section class="panel" id="p-annotation"><h3>Annotation durations
+      <select id="ann">${d.annotations.map((a) => `<option value="${esc(a.name)}">${esc(short(a.name, 50))} (${a.calls})</option>`).join('')}</select></h3>
+      <div class="chart" id="c-annotation"></div></section>`);
+  grid.appendChild(ap);
+  const drawAnn = async (name) => {
+    const el = ap.querySelector('#c-annotation');
+    if (!name) { el.innerHTML = '<div class="empty">No record_function annotations in this trace.</div>'; return; }
+    const a = await api('annotation', { rank, name, bins: 15 });
+    chart(el, 'annotation', { tooltip: { trigger: 'axis' }, grid: { left: 40, right: 10, top: 10, bottom: 40 },
+      xAxis: { type: 'category', data: a.counts.map((_, i) => (a.edges[i] / 1e3).toFixed(2)), name: 'ms', axisLabel: { fontSize: 9 } },
+      yAxis: { type: 'value', minInterval: 1, name: 'calls' }, series: [{ type: 'bar', data: a.counts, itemStyle: { color: '#af7aa1' } }] });
+  };
+  const sel = ap.querySelector('#ann');
+  sel.addEventListener('change', () => drawAnn(sel.value));
+  await drawAnn(d.annotations.length ? d.annotations[0].name : null);
+}
