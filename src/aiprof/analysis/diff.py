@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aiprof.analysis.hotspots import (KIND_NAMES, OP, PYTHON, RUNTIME, gpu_busy, gpu_gaps, host_tree)
+from aiprof.analysis.hotspots import KIND_NAMES, OP, PYTHON, gpu_busy, gpu_gaps, host_tree
 from aiprof.analysis.steps import Steps, find_steps
 from aiprof.errors import UsageError
 from aiprof.trace.store import RankTrace

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aiprof.analysis.hotspots import OP, PYTHON, host_tree, is_library_frame
+from aiprof.analysis.hotspots import OP, host_tree, is_library_frame
 from aiprof.errors import AiprofError
 from aiprof.trace.store import RankTrace
 

@@ -9,7 +9,6 @@ import numpy as np
 from aiprof.analysis.hotspots import OP, PYTHON, gpu_busy, has_gpu, host_tree, idle_ns
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps, find_steps
-from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
