@@ -8,7 +8,11 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 DEMO_OUT ?= out/demo
 
-.PHONY: setup demo test bench clean
+# The web UI's front end (web/ -> src/aiprof/server/static/, not committed) needs node 20 + npm.
+STATIC := src/aiprof/server/static/index.html
+WEB_SRC := web/package.json web/package-lock.json web/index.html web/vite.config.js $(wildcard web/src/*.js web/src/*.css web/src/pages/*.js)
+
+.PHONY: setup demo test bench clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,17 +20,26 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test,agent]"
+	$(BIN)/python -m pip install -q -e ".[test,agent,ui]"
 	touch $@
 
-setup: $(VENV)/.installed
+$(STATIC): $(WEB_SRC)
+	cd web && npm ci --no-audit --no-fund && npm run build
+
+setup: $(VENV)/.installed $(STATIC)
+
+# The UI tests drive Debian's chromium headless; install it once when missing (CI runs as root).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { echo "installing chromium for the UI tests"; \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q && \
+	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
 demo: setup
 	@mkdir -p $(DEMO_OUT)
 	$(BIN)/python examples/tiny_train.py --steps 12 --slow-step 7 --profile $(DEMO_OUT)/trace.json.gz
 	$(BIN)/aiprof analyze $(DEMO_OUT)/trace.json.gz --out $(DEMO_OUT)
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 bench: setup
