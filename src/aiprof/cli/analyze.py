@@ -19,6 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="trace file(s) or capture directory")
     p.add_argument("--json", action="store_true", help="print the JSON report (schema aiprof.report/1) instead of text")
     p.add_argument("--out", metavar="DIR", help="also write report.json and report.txt into DIR")
+    p.add_argument("--html", metavar="FILE", help="also write the UI's overview as one self-contained HTML file")
     p.add_argument("--entry", metavar="NAME", help="function/annotation that marks one iteration "
                                                   "(when the trace has no ProfilerStep)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list (default 15)")
@@ -36,10 +37,16 @@ def run(args: argparse.Namespace) -> int:
         text.render(report, file=buf)
         with open(os.path.join(args.out, "report.txt"), "w") as f:
             f.write(buf.getvalue())
+    if args.html:
+        from aiprof.server.static_report import write as write_html
+
+        write_html(cap, args.html, report=report, entry=args.entry)
     if args.json:
         sys.stdout.write(json_report.dumps(report) + "\n")
     else:
         text.render(report)
         if args.out:
             print(f"\nwrote {os.path.join(args.out, 'report.json')} and report.txt")
+        if args.html:
+            print(f"wrote {args.html}")
     return 0
