@@ -1,0 +1,139 @@
+"""The UI in a real headless Chromium against the running app on the fixture traces."""
+from __future__ import annotations
+
+import pytest
+
+from tests.ui.conftest import open_page
+
+PAGES = ["overview", "steps", "tables", "ranks", "timeline", "flame", "memory"]
+
+
+@pytest.mark.parametrize("app", ["gpt2_app", "ddp_app"])
+def test_every_page_loads_without_console_errors(app, page, request):
+    served = request.getfixturevalue(app)
+    for route in PAGES:
+        open_page(page, served.url, route)
+    # the ddp capture has two ranks: the rank picker reaches the second
+    if app == "ddp_app":
+        open_page(page, served.url, "overview?rank=1")
+        assert page.inner_text("#kpi-steps") == "4"
+    assert not page.errors
+
+
+def _option(page, name):
+    return page.evaluate(f"() => window.__aiprof.charts[{name!r}].getOption()")
+
+
+def test_dashboard_charts_show_the_report_numbers(page, gpt2_app):
+    rr = gpt2_app.report["ranks"][0]
+    s = rr["summary"]
+    open_page(page, gpt2_app.url, "overview")
+    active = {d["name"]: d["value"] for d in _option(page, "gpu-active")["series"][0]["data"]}
+    assert active["idle"] == pytest.approx(s["idle_us"])
+    assert active["active"] == pytest.approx(s["duration_us"] - s["idle_us"])
+    kt = _option(page, "kernel-time")["series"][0]["data"]
+    assert kt == pytest.approx([k["total_us"] for k in rr["top_kernels"]])
+    kc = _option(page, "kernel-calls")["series"][0]["data"]
+    assert kc == [k["calls"] for k in rr["top_kernels"]]
+    hist = _option(page, "step-hist")["series"][0]["data"]
+    assert sum(hist) == len(rr["steps"]) and hist[-1] == 1  # the 162 ms stall step sits alone at the top
+    prec = {d["name"]: d["value"] for d in _option(page, "precision")["series"][0]["data"]}
+    assert prec == pytest.approx(rr["kernels"]["precision_us"])
+    assert page.inner_text("#kpi-median") == f"{s['step_median_us'] / 1e3:.2f} ms"
+    assert page.inner_text("#kpi-launches") == str(rr["rows"]["kernels"])
+    codes = page.eval_on_selector_all(".finding", "els => els.map(e => e.dataset.code)")
+    assert codes == [f["code"] for f in gpt2_app.report["findings"]]
+    assert "No hardware samples" in page.inner_text("#p-gpu-util")
+    # k is adjustable: top 5 redraws both kernel charts with 5 bars
+    page.fill("#topk", "5")
+    page.dispatch_event("#topk", "change")
+    page.wait_for_function("() => window.__aiprof.charts['kernel-calls'].getOption().series[0].data.length === 5")
+    assert _option(page, "kernel-time")["series"][0]["data"] == pytest.approx([k["total_us"] for k in rr["top_kernels"][:5]])
+
+
+def test_step_diff_opens_from_two_clicks(page, gpt2_app):
+    open_page(page, gpt2_app.url, "steps")
+    page.click(".chip[data-step='2']")
+    page.click(".chip[data-step='3']")
+    page.wait_for_selector("#diff-table")
+    sd = gpt2_app.report["ranks"][0]["step_diff"]  # the report's diff is also median (2) vs slowest (3)
+    assert sd["base"]["step"] == 2 and sd["compare"]["step"] == 3
+    assert page.inner_text("#diff-delta") == f"+{sd['delta_us'] / 1e3:.2f} ms"
+    first = page.inner_text("#diff-table tbody tr:first-child")
+    assert "sleep" in first and "+1" in first  # the injected time.sleep: one extra call
+    # the step slider shows the chosen step's breakdown
+    page.fill("#step-slider", "2")
+    page.dispatch_event("#step-slider", "input")
+    assert page.inner_text("#slider-label") == "step 3"
+
+
+def test_timeline_zooms_and_shows_a_kernels_launching_op(page, gpt2_app):
+    open_page(page, gpt2_app.url, "timeline")
+    v0 = page.evaluate("() => window.__aiprof.timeline.view")
+    n0 = page.evaluate("() => window.__aiprof.timeline.S.fetches")
+    page.focus("#tl-canvas")
+    page.keyboard.press("w")
+    page.wait_for_function(f"() => window.__aiprof.timeline.S.fetches > {n0}")
+    v1 = page.evaluate("() => window.__aiprof.timeline.view")
+    assert (v1["t1"] - v1["t0"]) == pytest.approx(0.7 * (v0["t1"] - v0["t0"]), rel=1e-6)
+    # mouse wheel zooms too
+    box = page.locator("#tl-canvas").bounding_box()
+    page.mouse.move(box["x"] + 700, box["y"] + 200)
+    page.mouse.wheel(0, -400)
+    page.wait_for_function(f"() => {{ const v = window.__aiprof.timeline.view; return v.t1 - v.t0 < {0.69 * (v1['t1'] - v1['t0'])}; }}")
+    # search a GEMM kernel, select it: the details show its launch call and launching op
+    page.fill("#tl-search", "cutlass_75_tensorop_bf16_s1688gemm_bf16_128x128_tn")
+    page.press("#tl-search", "Enter")
+    page.wait_for_selector("#tl-hits")
+    assert page.inner_text("#tl-hits").startswith("5 match")
+    page.click("#tl-results a[data-i='0']")
+    page.wait_for_selector("#tl-op")
+    assert "aten::mm" in page.inner_text("#tl-op")
+    assert "cudaLaunchKernel" in page.inner_text("#tl-launch") or "cuLaunchKernel" in page.inner_text("#tl-launch")
+    # 'f' fitted the view to the kernel and its launch: both inside, and the window is small
+    d = page.evaluate("() => window.__aiprof.timeline.S.detail")
+    v = page.evaluate("() => window.__aiprof.timeline.view")
+    assert v["t0"] <= d["launch"]["start"] and d["ref"]["end"] <= v["t1"]
+    assert v["t1"] - v["t0"] < 50e6
+
+
+def test_tables_are_linked(page, gpt2_app):
+    open_page(page, gpt2_app.url, "tables")
+    total = page.evaluate("() => window.__aiprof.tables.kernels.getDataCount('active')")
+    page.locator("#t-python .tabulator-row", has_text="gpt_train.py(29): train_step").first.click()
+    page.wait_for_selector("#link-box:not(.hidden)")
+    assert "train_step" in page.inner_text("#link-box")
+    shown = page.evaluate("() => window.__aiprof.tables.kernels.getDataCount('active')")
+    linked = page.evaluate("() => window.__aiprof.lastLink.kernels.length")
+    assert shown == linked and 0 < shown <= total
+
+
+def test_ranks_flags_the_straggler(page, ddp_app):
+    open_page(page, ddp_app.url, "ranks")
+    rows = page.inner_text("#rank-table tbody")
+    assert "straggler" in rows.splitlines()[1] or "straggler" in page.inner_text("#rank-table tr.straggler")
+    heat = _option(page, "heat")["series"][0]["data"]
+    assert len(heat) == 8  # 2 ranks x 4 steps
+    assert page.locator("#comm-table tbody tr").count() >= 2
+
+
+def test_memory_page_shows_the_peak(page, gpt2_app):
+    open_page(page, gpt2_app.url, "memory")
+    mem = gpt2_app.report["ranks"][0]["memory"]
+    series = _option(page, "memory")["series"]
+    assert max(p[1] for p in series[0]["data"]) == mem["peak_allocated_bytes"]
+    assert page.locator("#alloc-snap tbody tr").count() > 0  # from the memsnap pickle
+
+
+def test_static_html_report(page, gpt2_stall, tmp_path, gpt2_app):
+    from aiprof.cli.main import main
+
+    out = tmp_path / "overview.html"
+    assert main(["analyze", str(gpt2_stall), "--html", str(out)]) == 0
+    html = out.read_text()
+    assert "http://" not in html.split("<script", 1)[0] and "src=\"./assets" not in html
+    page.goto(out.as_uri())
+    page.wait_for_function("() => document.querySelector('#page').dataset.ready === '1'")
+    s = gpt2_app.report["ranks"][0]["summary"]
+    active = {d["name"]: d["value"] for d in _option(page, "gpu-active")["series"][0]["data"]}
+    assert active["idle"] == pytest.approx(s["idle_us"])
