@@ -58,6 +58,8 @@ LOW_TC_MIN_SHARE = 0.10
 LOW_TC_MIN_US = 1_000.0
 LOW_TC_HIGH_SHARE_OF_COMPUTE = 0.30
 LOW_TC_ASSUMED_SPEEDUP = 2.0  # conservative: bf16/tf32 tensor cores vs fp32 CUDA cores
+LOW_TC_HIGH_MIN_STEP_SHARE = 0.05  # high only if the saving is >= 5 % of step time
+LOW_TC_MEDIUM_MIN_STEP_SHARE = 0.01  # below 1 % of step time: low
 # KERNEL_HOTSPOT (share of GPU compute time)
 HOTSPOT_MIN_SHARE = 0.40
 HOTSPOT_MEDIUM_SHARE = 0.60
@@ -304,7 +306,15 @@ def low_tensor_core(f: RankFacts) -> list[dict]:
     if share < LOW_TC_MIN_SHARE or slow < LOW_TC_MIN_US:
         return []
     saving = slow * (1.0 - 1.0 / LOW_TC_ASSUMED_SPEEDUP)
-    sev = HIGH if slow >= LOW_TC_HIGH_SHARE_OF_COMPUTE * k.compute_us else MEDIUM
+    # A share of matmul time alone over-ranks a host-bound job whose GPU barely works (eager
+    # decoding): severity also weighs the saving against the step time.
+    step_share = saving / _total_us(f)
+    if slow >= LOW_TC_HIGH_SHARE_OF_COMPUTE * k.compute_us and step_share >= LOW_TC_HIGH_MIN_STEP_SHARE:
+        sev = HIGH
+    elif step_share >= LOW_TC_MEDIUM_MIN_STEP_SHARE:
+        sev = MEDIUM
+    else:
+        sev = LOW
     ops = ", ".join(f"{o['op']} ({o['calls']} calls)" for o in k.fp32_matmul_ops[:3])
     where = ops or (k.non_tc_matmul_kernels[0][:80] if k.non_tc_matmul_kernels else "")
     return [_f("LOW_TENSOR_CORE", sev, f"{_ms(slow)} ({100 * share:.0f}% of matmul time) runs in fp32 or without tensor cores",
