@@ -34,10 +34,12 @@ browser:
 	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) apt-get update -q && \
 	  $$( [ "$$(id -u)" = 0 ] || echo sudo ) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
+# The agent is preloaded by `aiprof run`: the example itself has no profiling code.
 demo: setup
-	@mkdir -p $(DEMO_OUT)
-	$(BIN)/python examples/tiny_train.py --steps 12 --slow-step 7 --profile $(DEMO_OUT)/trace.json.gz
-	$(BIN)/aiprof analyze $(DEMO_OUT)/trace.json.gz --out $(DEMO_OUT)
+	@rm -rf $(DEMO_OUT)/capture
+	$(BIN)/aiprof run --skip 3 --iterations 6 --what kernels,python,memory --out $(DEMO_OUT) --capture-id capture \
+		-- $(BIN)/python examples/tiny_train.py --steps 14 --slow-step 7
+	$(BIN)/aiprof analyze $(DEMO_OUT)/capture --out $(DEMO_OUT)
 
 test: setup browser
 	$(BIN)/python -m pytest -q
