@@ -44,6 +44,7 @@ async function render() {
   root.removeAttribute('data-ready');
   if (STATIC && page[0] !== 'overview') {
     root.innerHTML = `<div class="note">This static report holds the overview only. Run <code>aiprof ui ${esc(state.meta.ranks.map((r) => r.source).join(' '))}</code> for the other pages.</div>`;
+    root.dataset.ready = 'static';
     return;
   }
   try {

@@ -3,7 +3,7 @@ GPU busy share over time, hardware samples (``hw.csv`` beside a captured trace),
 and memory-operation distributions, annotation durations, histograms, and counters (memory,
 hardware) downsampled to a pixel width.
 
-Definitions are in docs/metrics.md ("Dashboard series"). Times are absolute ns on the trace
+Definitions are in docs/ui.md ("Definitions of the dashboard series"). Times are absolute ns on the trace
 clock unless a name says otherwise.
 """
 from __future__ import annotations

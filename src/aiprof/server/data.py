@@ -17,6 +17,7 @@ from aiprof.analysis.kernels import kernel_stats
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
 from aiprof.analysis.report import build_report
 from aiprof.analysis.steps import find_steps
+from aiprof.analysis.steps import window as steps_window
 from aiprof.errors import AiprofError
 from aiprof.trace.store import Capture, RankTrace
 
@@ -72,8 +73,9 @@ class CaptureData:
         return self._once(("tl", rt.rank), lambda: timeline.build_index(rt))
 
     def origin(self) -> int:
-        """Common time origin of all ranks (ns): the UI shows times after it."""
-        return min(self.rank_report(rt.rank)["window"]["start_ns"] for rt in self.capture.ranks)
+        """Common time origin of all ranks (ns, the report's window start): the UI shows times
+        after it. Not taken from the report so that the timeline needs no full analysis."""
+        return self._once("origin", lambda: min(steps_window(rt)[0] for rt in self.capture.ranks))
 
     # ------------------------------------------------------------------ pages
     def meta(self) -> dict:

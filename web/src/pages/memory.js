@@ -21,7 +21,7 @@ export default async function memory(root, { rank }) {
     root.appendChild(el);
     chart(el, 'memory', {
       tooltip: { trigger: 'axis', valueFormatter: bytes }, legend: { top: 0 }, grid: { left: 80, right: 20, top: 30, bottom: 40 },
-      xAxis: { type: 'value', name: 'ms', min: d.window.start / 1e6, max: d.window.end / 1e6 },
+      xAxis: { type: 'value', name: 'ms', min: Math.floor(d.window.start / 1e6), max: Math.ceil(d.window.end / 1e6), axisLabel: { formatter: (v) => v.toFixed(0) } },
       yAxis: { type: 'value', axisLabel: { formatter: bytes } },
       series: names.map((k, i) => ({ name: k, type: 'line', step: 'end', showSymbol: false, areaStyle: i ? undefined : { opacity: 0.15 },
         itemStyle: { color: i ? PALETTE.communication : PALETTE.compute },

@@ -18,10 +18,10 @@ export default async function ranks(root) {
     d.ranks.forEach((r, ri) => r.steps.forEach((s) => { data.push([steps.indexOf(s.step), ri, s[m]]); max = Math.max(max, s[m]); }));
     chart(el, 'heat', {
       tooltip: { formatter: (p) => `rank ${d.ranks[p.value[1]].rank}, step ${steps[p.value[0]]}: ${us(p.value[2])}` },
-      grid: { left: 110, right: 20, top: 10, bottom: 60 },
+      grid: { left: 110, right: 110, top: 10, bottom: 30 },
       xAxis: { type: 'category', data: steps.map((s) => `step ${s}`) },
       yAxis: { type: 'category', data: d.ranks.map((r) => `rank ${r.rank}${(d.flags[r.rank] || []).length ? ' ⚠ ' + d.flags[r.rank].join(',') : ''}`), inverse: true },
-      visualMap: { min: 0, max: max || 1, calculable: true, orient: 'horizontal', left: 'center', bottom: 0, inRange: { color: ['#f7fbff', '#6baed6', '#08306b'] }, formatter: (v) => us(v) },
+      visualMap: { min: 0, max: max || 1, calculable: true, orient: 'vertical', right: 0, top: 'middle', itemHeight: 80, inRange: { color: ['#f7fbff', '#6baed6', '#08306b'] }, formatter: (v) => us(v) },
       series: [{ type: 'heatmap', data, label: { show: true, formatter: (p) => (p.value[2] / 1000).toFixed(1), fontSize: 10 } }],
     });
   };
