@@ -24,6 +24,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _check_bind(host: str, port: int) -> None:
+    """Fail early, with one line, when the address is taken (before ingesting anything)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: {exc.strerror}") from None
+    fam, _, _, _, addr = infos[0]
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise AiprofError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -38,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be 0..65535, not {args.port}")
     if args.memory_snapshot and not os.path.isfile(args.memory_snapshot):
         raise UsageError(f"--memory-snapshot {args.memory_snapshot}: no such file")
+    _check_bind(args.host, args.port)
     cap = open_capture(args.paths, use_cache=not args.no_cache)
     data = CaptureData(cap, entry=args.entry, memory_snapshot=args.memory_snapshot)
     if not static_built():
@@ -64,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=announce, daemon=True).start()
     try:
         server.run()
-    except OSError as exc:
-        raise AiprofError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind
+        raise AiprofError(f"cannot serve on {args.host}:{args.port}: {getattr(exc, 'strerror', None) or 'bind failed'}") from None
     if not server.started:
         raise AiprofError(f"cannot serve on {args.host}:{args.port} (address in use?)")
     return 0
