@@ -8,7 +8,6 @@ clock unless a name says otherwise.
 """
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass
 
@@ -16,11 +15,11 @@ import numpy as np
 
 from aiprof.analysis.hotspots import gpu_busy
 from aiprof.trace import classify
+from aiprof.trace.hwcsv import hw_path_for
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
 _CUDA_DEVICE_TYPE = 1
-HW_FILE = "hw.csv"
 
 
 def histogram(values, bins: int = 20) -> dict:
@@ -63,34 +62,26 @@ class HwSamples:
 
 def hw_path(rt: RankTrace) -> str | None:
     """``hw.csv`` written by the capture agent beside this rank's trace, if there is one."""
-    p = os.path.join(os.path.dirname(os.path.abspath(rt.source)), HW_FILE)
-    return p if os.path.isfile(p) else None
+    return hw_path_for(rt.source)
 
 
 def load_hw(rt: RankTrace) -> HwSamples | None:
-    """Read the rank's ``hw.csv`` (``ts_us,device,metric,value``, trace clock); None when absent."""
+    """The rank's hardware samples from the store's ``hw`` table, grouped per (device, metric);
+    None when the capture has none."""
     cache = rt.__dict__.setdefault("_analysis_cache", {})
     if "hw" in cache:
         return cache["hw"]
-    p = hw_path(rt)
+    h = rt.table("hw")
     out = None
-    if p:
-        acc: dict[tuple[str, str], tuple[list, list]] = {}
-        with open(p, newline="") as f:
-            for rec in csv.DictReader(f):
-                try:
-                    ts, val = float(rec["ts_us"]), float(rec["value"])
-                except (KeyError, TypeError, ValueError):
-                    continue  # a torn last line of an interrupted capture
-                a = acc.setdefault((rec.get("device") or "", rec.get("metric") or ""), ([], []))
-                a[0].append(ts)
-                a[1].append(val)
+    if len(h):
+        dev, met = h.strings("device"), h.strings("metric")
+        key = dev.codes.astype(np.int64) * (len(met.labels) + 1) + met.codes
         series = {}
-        for k, (t, v) in acc.items():
-            ts = np.round(np.array(t) * 1000.0).astype(np.int64)
-            o = np.argsort(ts, kind="stable")
-            series[k] = (ts[o], np.array(v, dtype=np.float64)[o])
-        out = HwSamples(p, series)
+        for k in np.unique(key):
+            sel = key == k  # rows are time-sorted in the store
+            d, m = int(k) // (len(met.labels) + 1), int(k) % (len(met.labels) + 1)
+            series[(dev.labels[d], met.labels[m])] = (h["ts"][sel], h["value"][sel])
+        out = HwSamples(hw_path(rt) or "", series)
     cache["hw"] = out
     return out
 

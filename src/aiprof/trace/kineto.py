@@ -484,7 +484,7 @@ _HANDLERS: dict[str, Callable[[_Builder, list[Ev]], None]] = {
 
 # Tables every capture has (possibly empty), in the order the docs list them.
 TABLES = ("ops", "annotations", "python", "runtime", "kernels", "memops", "gpu_sync", "flows",
-          "collectives", "memory", "threads")
+          "collectives", "memory", "threads", "hw")
 
 
 @dataclass

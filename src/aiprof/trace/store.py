@@ -16,6 +16,7 @@ ingest never leaves a partial store behind.
 """
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aiprof.errors import TraceError
+from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
 
@@ -130,8 +132,13 @@ def find_trace_files(paths: Iterable[str]) -> list[str]:
 
 def _fingerprint(path: str) -> dict:
     st = os.stat(path)
-    return {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "store_version": STORE_VERSION}
+    fp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+          "store_version": STORE_VERSION}
+    hw = hw_path_for(path)
+    if hw:  # samples that appear or change beside the trace invalidate the store too
+        hst = os.stat(hw)
+        fp["hw"] = {"size": hst.st_size, "mtime_ns": hst.st_mtime_ns}
+    return fp
 
 
 def _cache_root() -> Path:
@@ -205,6 +212,12 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
             return RankTrace(rank=meta["rank"], source=path, meta=meta, store_dir=store)
     t0 = time.perf_counter()
     parsed = read_trace(path, progress=progress)
+    hw = hw_path_for(path)
+    if hw:
+        try:
+            parsed.tables["hw"] = read_hw_csv(hw)
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:
+            print(f"aiprof: warning: {hw}: hardware samples skipped ({exc})", file=sys.stderr)
     meta = _trace_meta(path, parsed.meta, parsed.tables, index)
     meta["source"] = fp
     meta["rows"] = {name: len(t) for name, t in parsed.tables.items()}

@@ -1,0 +1,49 @@
+"""Reader for the agent's hardware samples (``hw.csv`` beside a rank's ``trace.json.gz``).
+
+Long format, one value per row: ``ts_us,device,metric,value`` with ``ts_us`` already on the
+trace's clock (the agent shifts it; docs/capture.md). Ingested into the store's ``hw`` table
+(ts ns, device, metric, name = "device metric", value) so every analysis, the UI and the exports
+read samples from the store like any other table.
+"""
+from __future__ import annotations
+
+import csv
+import os
+
+import numpy as np
+
+from aiprof.trace.table import Table, encode_strings
+
+HW_FILE = "hw.csv"
+
+
+def hw_path_for(trace_path: str) -> str | None:
+    """The ``hw.csv`` that sits beside a trace file, if any."""
+    p = os.path.join(os.path.dirname(os.path.abspath(trace_path)), HW_FILE)
+    return p if os.path.isfile(p) else None
+
+
+def read_hw_csv(path: str) -> Table:
+    """Read samples sorted by time; malformed rows (a torn last line) are skipped."""
+    ts, dev, met, val = [], [], [], []
+    with open(path, newline="") as f:
+        for rec in csv.DictReader(f):
+            try:
+                t, v = float(rec["ts_us"]), float(rec["value"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            ts.append(t)
+            val.append(v)
+            dev.append(rec.get("device") or "")
+            met.append(rec.get("metric") or "")
+    order = np.argsort(np.asarray(ts, dtype=np.float64), kind="stable")
+    tns = np.rint(np.asarray(ts, dtype=np.float64) * 1000.0).astype(np.int64)[order]
+    dev = [dev[i] for i in order]
+    met = [met[i] for i in order]
+    return Table({
+        "ts": tns,
+        "device": encode_strings(dev),
+        "metric": encode_strings(met),
+        "name": encode_strings([f"{d} {m}".strip() for d, m in zip(dev, met)]),
+        "value": np.asarray(val, dtype=np.float64)[order],
+    })
