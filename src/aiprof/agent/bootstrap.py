@@ -178,11 +178,37 @@ def start_from_env() -> None:
         log.error("agent start", exc)
 
 
+def _torch_initializing() -> bool:
+    """True while ``import torch`` is still running (attach can land in the middle of it)."""
+    torch = sys.modules.get("torch")
+    spec = getattr(torch, "__spec__", None)
+    return bool(getattr(spec, "_initializing", False)) or (torch is not None and not hasattr(torch, "optim"))
+
+
 def start_attached(cfg: dict[str, Any]) -> None:
-    """The injected script's entry (main thread): start the agent and report to the CLI."""
+    """The injected script's entry (main thread): start the agent and report to the CLI.
+
+    If the pending call landed while the job was still importing torch, importing torch.optim
+    now would break that import; a short-lived thread waits (bounded) until it has finished.
+    """
+    if "torch" in sys.modules and _torch_initializing():
+        def later() -> None:
+            deadline = time.monotonic() + 120
+            while _torch_initializing() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _start_attached_now(cfg)
+
+        threading.Thread(target=later, name="aiprof-attach-wait", daemon=True).start()
+        return
+    _start_attached_now(cfg)
+
+
+def _start_attached_now(cfg: dict[str, Any]) -> None:
     status: dict[str, Any] = {"pid": os.getpid()}
     try:
-        if "torch" not in sys.modules:
+        if _torch_initializing():
+            status.update(ok=False, error="torch is still being imported in the target; try again in a moment")
+        elif "torch" not in sys.modules:
             status.update(ok=False, error="torch is not imported in the target process")
         else:
             rt = cfg.get("runtime_dir") or runtime_dir()

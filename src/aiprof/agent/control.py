@@ -222,11 +222,11 @@ def status(ep: Endpoint, timeout: float = 2.0) -> dict | None:
 def wait_for_socket(path: str, timeout: float) -> bool:
     """Wait until an agent's socket exists (after injection); bounded."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if os.path.exists(path):
-            return True
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 def capture_all(eps: list[Endpoint], req: CaptureRequest | dict[int, CaptureRequest], timeout: float) -> dict[int, dict]:

@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from typing import Any
 
 from aiprof.attach.launch import package_dir
 from aiprof.attach.procs import AttachError, ProcessInfo, check_ptrace_allowed
+from aiprof.errors import AiprofError
 
 SCRIPT = """\
 # written by aiprof attach; runs on the target's main thread
@@ -146,18 +148,57 @@ def _inject_remote_exec(info: ProcessInfo, py: str) -> None:
         raise AttachError(f"{info.label}: sys.remote_exec failed: {(r.stderr or '').strip().splitlines()[-1:]}")
 
 
-def _inject_pyinjector(info: ProcessInfo, so: str) -> None:
-    import pyinjector  # type: ignore[import-not-found]
+_IMPORT_FRAMES = {"_find_and_load", "_find_and_load_unlocked", "_load_unlocked"}
+
+
+def wait_until_not_importing(pid: int, timeout: float = 30.0) -> bool:
+    """Wait (bounded) until no thread of ``pid`` is inside an import, as py-spy sees it.
+
+    A library injected while the target is loading shared libraries (``import torch`` does
+    hundreds of dlopen calls) can deadlock on the dynamic loader's lock: seen here, pyinjector
+    then never returns. Returns False if still importing at the deadline; True if idle or if
+    py-spy is not available to tell.
+    """
+    from aiprof.attach.stacks import dump_one, find_py_spy
 
     try:
-        pyinjector.inject(info.pid, so)
-    except Exception as exc:
-        msg = str(exc).splitlines()[0]
+        exe = find_py_spy()
+    except AiprofError:
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        d = dump_one(pid, timeout=10, py_spy=exe)
+        if not d["ok"]:
+            return True  # let the injection report the real problem
+        busy = any(f["function"] in _IMPORT_FRAMES and str(f["file"]).startswith("<frozen importlib")
+                   for t in d["threads"] for f in t["frames"])
+        if not busy:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+INJECT_TIMEOUT_S = 30.0
+
+
+def _inject_pyinjector(info: ProcessInfo, so: str) -> None:
+    # in a child process, so that a stuck injection cannot hang the CLI
+    code = "import sys, pyinjector; pyinjector.inject(int(sys.argv[1]), sys.argv[2])"
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(info.pid), so], capture_output=True, text=True,
+                           timeout=INJECT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AttachError(f"{info.label}: library injection did not finish within {INJECT_TIMEOUT_S:.0f} s "
+                          "(the target may be stuck in the dynamic loader)") from None
+    if r.returncode != 0:
+        err = (r.stderr or "").strip().splitlines()
+        msg = next((ln for ln in reversed(err) if "Error" in ln or "Exception" in ln), err[-1] if err else "failed")
         if "permission" in msg.lower() or "-8" in msg or "EPERM" in msg:
             check_ptrace_allowed(info)
             raise AttachError(f"{info.label}: ptrace was refused (EPERM): needs CAP_SYS_PTRACE, or the "
-                              "container/seccomp forbids ptrace (docker: --cap-add SYS_PTRACE)") from exc
-        raise AttachError(f"{info.label}: library injection failed: {msg}") from exc
+                              "container/seccomp forbids ptrace (docker: --cap-add SYS_PTRACE)")
+        raise AttachError(f"{info.label}: library injection failed: {msg}")
 
 
 def _inject_gdb(info: ProcessInfo, so: str, gdb: str) -> None:
@@ -204,6 +245,8 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
     m = methods[0]
     started = False
     try:
+        if m != "remote_exec" and not wait_until_not_importing(info.pid):
+            raise AttachError(f"{info.label} has been importing modules for 30 s; attach when it is running")
         if m == "remote_exec":
             _inject_remote_exec(info, py)
         elif m == "pyinjector":
