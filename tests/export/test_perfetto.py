@@ -129,3 +129,21 @@ def test_numpy_encoder_is_byte_identical_to_protobuf():
         if flow[i]:
             p.track_event.flow_ids.append(int(flow[i]))
     assert buf.tobytes() == want.SerializeToString()
+
+
+def test_cli_export_carries_the_findings(gpt2_cap, tmp_path):
+    """`aiprof export` puts each finding of the report on the rank's findings track, over its step."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "f.pftrace"
+    res = subprocess.run([sys.executable, "-m", "aiprof", "export", gpt2_cap.ranks[0].source, "-o", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    trace, tracks, procs, names = _decode(out)
+    found = [(n, s, e) for t, n, s, e in _slices(trace, tracks, names) if t == "findings"]
+    outlier = [x for x in found if "STEP_OUTLIER" in x[0]]
+    assert len(outlier) == 1 and "step 3" in outlier[0][0]
+    steps = find_steps(gpt2_cap.ranks[0])
+    i = list(steps.number).index(3)
+    assert (outlier[0][1], outlier[0][2]) == (int(steps.start[i]), int(steps.end[i]))

@@ -20,8 +20,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="FILE")
     p.add_argument("--no-host", action="store_true", help="timeline formats: GPU, steps and counters only")
     p.add_argument("--what", choices=("gpu", "cpu"), default="gpu", help="folded: which graph (default gpu)")
+    p.add_argument("--no-findings", action="store_true", help="timeline formats: skip the findings track "
+                   "(saves running the analyses)")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
     p.set_defaults(func=run)
+
+
+def _marks(cap, args: argparse.Namespace):
+    if args.no_findings:
+        return None
+    from aiprof.analysis.report import build_report
+    from aiprof.export.marks import marks_from_report
+
+    return marks_from_report(build_report(cap))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,13 +44,13 @@ def run(args: argparse.Namespace) -> int:
         perfetto._pb2()
     cap = open_capture(args.paths, use_cache=not args.no_cache)
     if args.format == "perfetto":
-        st = perfetto.export(cap, args.output, host=not args.no_host)
+        st = perfetto.export(cap, args.output, marks=_marks(cap, args), host=not args.no_host)
         print(f"wrote {args.output}: {sum(st.slices.values()):,} slices, {st.counters:,} counter values, "
               f"{st.tracks} tracks, {st.bytes / 1e6:.1f} MB", file=sys.stderr)
     elif args.format == "chrome":
         from aiprof.export import chrome
 
-        n = chrome.export(cap, args.output, host=not args.no_host)
+        n = chrome.export(cap, args.output, marks=_marks(cap, args), host=not args.no_host)
         print(f"wrote {args.output}: {n:,} events", file=sys.stderr)
     else:
         from aiprof.flame import folded, speedscope, stacks
