@@ -1,5 +1,6 @@
 """Collective communication: by type, process group and message size; bandwidths; exposed time;
-link class; cross-rank wait. Definitions in docs/metrics.md ("Communication")."""
+link class. Definitions in docs/metrics.md ("Communication"); who waits for whom across ranks
+is analysis/ranks.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -137,18 +138,3 @@ def link_class(rt: RankTrace, groups: list[CollectiveGroup]) -> tuple[str, str]:
                                                f"peak bus bandwidth {best:.1f} GB/s")
     return "unknown", f"peak bus bandwidth {best:.1f} GB/s"
 
-
-def rank_comm_wait(comm_us: list[float], compute_us: list[float]) -> dict | None:
-    """Cross-rank view: which rank waits in collectives for which straggler.
-
-    The rank with the most communication time and the rank with the most compute time; the
-    difference in communication time is the time the waiting rank spends blocked in
-    collectives for the straggler (both ranks move the same bytes).
-    """
-    if len(comm_us) < 2:
-        return None
-    w = int(np.argmax(comm_us))
-    s = int(np.argmax(compute_us))
-    return {"waiting_rank_index": w, "straggler_rank_index": s,
-            "wait_us": float(comm_us[w] - min(comm_us)),
-            "compute_gap_us": float(compute_us[s] - min(compute_us))}

@@ -2,7 +2,8 @@
 suggestion and ``impact_us`` (the time fixing it could save over the analysed steps).
 
 Every rule, threshold and impact formula is documented in docs/findings.md; the thresholds are
-the named constants below and nowhere else.
+the named constants below, except the cross-rank ones (STRAGGLER_RANK, ABNORMAL_WORKER), which
+live with their detection in analysis/ranks.py.
 """
 from __future__ import annotations
 
@@ -48,7 +49,6 @@ SYNC_HIGH_SHARE = 0.10
 # COMM_EXPOSED (share = exposed communication / summed step time)
 COMM_MIN_SHARE = 0.05
 COMM_HIGH_SHARE = 0.20
-STRAGGLER_MIN_COMM_RATIO = 1.5  # waiting rank's comm time / the least comm time of any rank
 # MEMCPY_PAGEABLE
 PAGEABLE_MIN_US = 500.0
 PAGEABLE_MEDIUM_SHARE = 0.05
@@ -265,8 +265,9 @@ def comm_exposed(f: RankFacts) -> list[dict]:
         detail = (f"; rank {strag['straggler_rank']} runs extra GPU work: "
                   + ", ".join(f"{k['name'][:60]} ({k['delta_calls']:+d} calls, {_ms(k['delta_us'])})" for k in extra[:2])
                   if extra else "")
-        sugg = (f"Rank {f.rank} spends {_ms(strag['wait_us'])} more in {worst or 'collectives'} than the fastest rank "
-                f"because rank {strag['straggler_rank']} computes {_ms(strag['compute_gap_us'])} longer{detail}. "
+        sugg = (f"Rank {f.rank} waits {_ms(strag['wait_us'])} in {worst or 'collectives'} for rank "
+                f"{strag['straggler_rank']}, which arrives last at the collectives and computes "
+                f"{_ms(strag['compute_gap_us'])} longer{detail} (see STRAGGLER_RANK). "
                 "Balance the work across ranks (same batch shapes, no rank-specific extra work); "
                 f"expected saving: up to {_ms(min(exposed, strag['wait_us']))}.")
         title = f"rank {f.rank} waits {_ms(exposed)} ({100 * share:.1f}%) in exposed {worst or 'communication'} for straggler rank {strag['straggler_rank']}"
@@ -351,15 +352,89 @@ def kernel_hotspot(f: RankFacts) -> list[dict]:
                f"({_ms(HOTSPOT_ASSUMED_GAIN * top['total_us'])}).")]
 
 
+def straggler_rank(cross: dict) -> list[dict]:
+    """STRAGGLER_RANK: one finding per straggler found by analysis.ranks.cross_rank."""
+    out = []
+    from aiprof.analysis import ranks as rk
+
+    for ev in cross.get("stragglers", []):
+        r = ev["straggler_rank"]
+        host = f" on {ev['host']}" if ev.get("host") else ""
+        d = ev.get("differs") or {}
+        causes = [f"{c['cls']} +{_ms(c['delta_per_step_us'])}/step ({_ms(c['rank_us'])} vs {_ms(c['median_us'])})"
+                  for c in ev.get("by_class", [])[:2]]
+        ks = d.get("kernels", [])
+        kern = [f"{k['name'][:70]} ({k['delta_calls']:+d} calls, +{_ms(k['delta_us'])})" for k in ks[:3]
+                if k["delta_us"] >= 0.25 * ks[0]["delta_us"]]
+        fns = [f"{g['name'][:60]} (+{_ms(g['delta_us'])} GPU idle)" for g in d.get("host_gaps", [])[:1]]
+        what = "; ".join(x for x in ("; ".join(causes), ", ".join(kern + fns)) if x)
+        waiting = ev.get("waiting_ranks", [])
+        wr = ", ".join(map(str, waiting[:6])) + (" …" if len(waiting) > 6 else "")
+        share = ev.get("share_of_step", 0.0)
+        sev = HIGH if share >= rk.STRAGGLER_HIGH_SHARE else MEDIUM
+        miss = (f" Ranks missing from the capture: {', '.join(map(str, ev['missing_ranks'][:8]))}; "
+                "one of them may be slower still." if ev.get("missing_ranks") else "")
+        out.append(_f(
+            "STRAGGLER_RANK", sev,
+            f"rank {r}{host} is the straggler: last at {ev['last_arrivals']} of {ev['collectives']} collectives, "
+            f"the others wait {_ms(ev['caused_wait_per_step_us'])}/step for it",
+            r, None, (d.get("kernels") or [{}])[0].get("name", "") or (ev.get("by_class") or [{}])[0].get("cls", ""),
+            ev.get("loss_us", 0.0), ev,
+            f"Rank {r} makes rank(s) {wr or 'the others'} wait at collectives. Compared with rank {ev['base_rank']} "
+            f"(the median rank): {what or 'no class or kernel stands out'}. Remove the rank-specific work or balance "
+            "it (same batch shapes and sequence lengths on every rank, no logging/eval/checkpointing on one rank "
+            "inside the step, check that GPU's clocks and temperature). "
+            f"Expected saving: about {_ms(ev.get('loss_per_step_us', 0.0))} per step "
+            f"({_ms(ev.get('loss_us', 0.0))} over the analysed steps).{miss}"))
+    return out
+
+
+def abnormal_worker(cross: dict) -> list[dict]:
+    """ABNORMAL_WORKER: a rank far above the others in one work metric (stragglers excluded:
+    STRAGGLER_RANK already explains them)."""
+    from aiprof.analysis import ranks as rk
+
+    strag = {ev["straggler_rank"] for ev in cross.get("stragglers", [])}
+    by_rank: dict[int, list[dict]] = {}
+    for a in cross.get("abnormal", []):
+        if a["rank"] not in strag:
+            by_rank.setdefault(a["rank"], []).append(a)
+    out = []
+    for r, items in sorted(by_rank.items()):
+        items.sort(key=lambda a: -a["excess_per_step_us"])
+        top = items[0]
+        rel = top.get("excess_rel") or 0.0
+        host = f" on {top['host']}" if top.get("host") else ""
+        impact = sum(a["excess_per_step_us"] * a["steps"] for a in items if a["metric"] != "step time (median)") \
+            or top["excess_per_step_us"] * top["steps"]
+        out.append(_f(
+            "ABNORMAL_WORKER", HIGH if rel >= rk.ABNORMAL_HIGH_REL else MEDIUM,
+            f"rank {r}{host}: {top['metric']} {_ms(top['value_us'])}/step, {100 * rel:.0f}% above the other ranks' "
+            f"median {_ms(top['median_others_us'])}",
+            r, None, top["metric"], impact, {"rank": r, "metrics": items},
+            f"Rank {r} differs from the others in " + ", ".join(f"{a['metric']} (+{_ms(a['excess_per_step_us'])}/step, "
+                                                              f"z={a['z']:.1f})" for a in items[:3])
+            + ". Check that rank's input (shapes, data shard), its GPU (clocks, temperature, ECC/XID errors in "
+            "nvidia-smi) and its host (other processes, CPU affinity, NUMA); compare it with `aiprof diff` against "
+            f"another rank. Expected saving: up to {_ms(impact)} over the analysed steps."))
+    return out
+
+
 RULES = (step_outlier, data_loading, host_bound, sync_stall, comm_exposed, memcpy_pageable, low_tensor_core,
          kernel_hotspot)
 
 
-def findings(facts: list[RankFacts]) -> list[dict]:
-    """All findings of all ranks, most impact first."""
+CROSS_RULES = (straggler_rank, abnormal_worker)
+
+
+def findings(facts: list[RankFacts], cross: dict | None = None) -> list[dict]:
+    """All findings of all ranks (and of the cross-rank analysis), most impact first."""
     out: list[dict] = []
     for f in facts:
         for rule in RULES:
             out.extend(rule(f))
+    if cross:
+        for crule in CROSS_RULES:
+            out.extend(crule(cross))
     out.sort(key=lambda d: -d["impact_us"])
     return out

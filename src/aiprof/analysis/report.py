@@ -12,13 +12,14 @@ import numpy as np
 from aiprof import __version__
 from aiprof.analysis import findings as rules
 from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
-from aiprof.analysis.comm import comm_analysis, rank_comm_wait
-from aiprof.analysis.diff import diff_captures, diff_steps
+from aiprof.analysis.comm import comm_analysis
+from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
 from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, hotspots, host_tree
 from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.memory import memory_from_trace
+from aiprof.analysis.ranks import CrossRank, cross_rank
 from aiprof.analysis.runtime import runtime_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.trace import classify
@@ -173,26 +174,24 @@ def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankR
     return _analyse_rank(rt, entry, top)[0]
 
 
-def _straggler(cap: Capture, reports: list[RankReport], facts: list[rules.RankFacts]) -> None:
-    """Cross-rank context: the rank waiting in collectives and the straggler it waits for."""
-    if len(reports) < 2:
-        return
-    comm = [r.summary.get("communication_total_us", 0.0) if r.summary else 0.0 for r in reports]
-    comp = [r.summary.get("compute_us", 0.0) if r.summary else 0.0 for r in reports]
-    w = rank_comm_wait(comm, comp)
-    if not w or min(comm) <= 0 or comm[w["waiting_rank_index"]] / min(comm) < rules.STRAGGLER_MIN_COMM_RATIO:
-        return
-    wi, si = w["waiting_rank_index"], w["straggler_rank_index"]
-    if wi == si:
-        return
-    d = diff_captures(cap.ranks[wi], cap.ranks[si], top=10_000)
-    kern = sorted((i for i in d.items if i.kind == "kernel" and i.delta_us > 0 and i.delta_calls > 0
-                   and classify.kernel_class(i.name) == classify.COMPUTE), key=lambda i: -i.delta_us)
-    extra = [{"name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls} for i in kern[:3]]
-    n = max(len(reports[wi].steps), 1)
-    facts[wi].extra["straggler"] = {
-        "waiting_rank": reports[wi].rank, "straggler_rank": reports[si].rank, "wait_us": w["wait_us"],
-        "compute_gap_us": w["compute_gap_us"], "wait_per_step_us": w["wait_us"] / n, "extra_kernels": extra}
+def _straggler_context(cr: CrossRank, reports: list[RankReport], facts: list[rules.RankFacts]) -> None:
+    """Give each rank that waits for a straggler the context COMM_EXPOSED names."""
+    pos = {r.rank: i for i, r in enumerate(reports)}
+    for ev in cr.stragglers:
+        s = ev["straggler_rank"]
+        extra = [{"name": k["name"], "delta_us": k["delta_us"], "delta_calls": k["delta_calls"]}
+                 for k in (ev.get("differs") or {}).get("kernels", [])
+                 if k["cls"] == classify.COMPUTE and k["delta_calls"] > 0][:3]
+        for w in ev["waiting_ranks"]:
+            i = pos[w]
+            if "straggler" in facts[i].extra:
+                continue  # the first (worst) straggler it waits for
+            n = max(len(reports[i].steps), 1)
+            wait = float(ev["waited_us"].get(str(w), 0.0))
+            facts[i].extra["straggler"] = {
+                "waiting_rank": w, "straggler_rank": s, "wait_us": wait, "wait_per_step_us": wait / n,
+                "compute_gap_us": (ev["compute_per_step_us"] - ev["median_compute_per_step_us"]) * ev["steps"],
+                "extra_kernels": extra}
 
 
 def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
@@ -200,12 +199,16 @@ def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
     pairs = [_analyse_rank(rt, entry, top) for rt in cap.ranks]
     ranks = [p[0] for p in pairs]
     facts = [p[1] for p in pairs]
-    _straggler(cap, ranks, facts)
+    cr = cross_rank(cap, ranks) if len(ranks) >= 2 else None
+    if cr is not None:
+        _straggler_context(cr, ranks, facts)
+    cross = asdict(cr) if cr is not None else None
     return {
         "schema": SCHEMA,
         "generator": {"name": "aiprof", "version": __version__},
         "capture": {"world_size": cap.world_size, "ranks_found": [r.rank for r in cap.ranks],
                     "sources": [r.source for r in cap.ranks]},
         "ranks": [asdict(r) for r in ranks],
-        "findings": rules.findings(facts),
+        "cross_rank": cross,
+        "findings": rules.findings(facts, cross),
     }

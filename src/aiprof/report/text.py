@@ -78,6 +78,7 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
     ranks = report["ranks"]
     if len(ranks) > 1:
         console.print(_ranks_table(report))
+        _cross_rank(console, report.get("cross_rank"))
         console.print()
     for r in ranks[:_MAX_RANK_DETAIL]:
         dev = r["device"]
@@ -96,6 +97,32 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
     if len(ranks) > _MAX_RANK_DETAIL:
         console.print(f"({len(ranks) - _MAX_RANK_DETAIL} more ranks: see the JSON report)")
     _findings(console, report.get("findings", []))
+
+
+def _cross_rank(console: Console, cr: dict | None) -> None:
+    """Cross-rank section: clock alignment, arrivals at collectives, flags (analysis.ranks)."""
+    if not cr:
+        return
+    al, arr, flags = cr["alignment"], cr["arrivals"], cr.get("flags", {})
+    if cr.get("missing_ranks"):
+        m = cr["missing_ranks"]
+        console.print(Text(f"Ranks missing from the capture: {', '.join(map(str, m[:20]))}"
+                           + (f" … ({len(m)})" if len(m) > 20 else ""), style="yellow"))
+    console.print(f"Clocks aligned to rank {al['reference_rank']}: {al['method']}; "
+                  f"{arr['collectives']} collectives matched across ranks")
+    t = Table(title="Cross-rank (per step: wait caused as last arrival, wait at collectives)", title_justify="left",
+              show_edge=False)
+    for col in ("rank", "host", "flags", "clock offset µs", "last at", "caused ms/step", "waited ms/step"):
+        t.add_column(col, justify="left" if col in ("host", "flags") else "right")
+    for i, r in enumerate(cr["ranks"]):
+        k = str(r)
+        n = max(sum(v is not None for v in cr["matrix"]["step_us"][i]), 1)  # the rank's steps
+        if len(cr["ranks"]) > _MAX_RANK_DETAIL and not flags.get(k):
+            continue  # many ranks: only the flagged ones
+        t.add_row(k, cr["hosts"].get(k, "") or "-", ",".join(flags.get(k, [])) or "-",
+                  f"{al['offset_us'].get(k, 0.0):+.1f}", f"{arr['last_count'].get(k, 0)}/{arr['present'].get(k, 0)}",
+                  _ms(arr["caused_wait_us"].get(k, 0.0) / n), _ms(arr["waited_us"].get(k, 0.0) / n))
+    console.print(t)
 
 
 # ---------------------------------------------------------------- diagnosis sections

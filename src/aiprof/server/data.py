@@ -190,8 +190,13 @@ class CaptureData:
                 for key, role in (("straggler_rank", "straggler"), ("waiting_rank", "waiting")):
                     if isinstance(src.get(key), int):
                         flagged.setdefault(src[key], set()).add(role)
+        cross = rep.get("cross_rank") or {}
+        for k, v in (cross.get("flags") or {}).items():  # straggler / waiting / abnormal (analysis.ranks)
+            flagged.setdefault(int(k), set()).update(v)
         return {"ranks": rows, "flags": {str(k): sorted(v) for k, v in flagged.items()},
-                "findings": [f for f in rep["findings"] if f["code"].startswith(("COMM", "STRAGGLER", "RANK"))]}
+                "matrix": cross.get("matrix"), "missing_ranks": cross.get("missing_ranks", []),
+                "findings": [f for f in rep["findings"]
+                             if f["code"].startswith(("COMM", "STRAGGLER", "RANK", "ABNORMAL", "HANG"))]}
 
     # ------------------------------------------------------------------ timeline
     def lanes(self, r: int) -> dict:
