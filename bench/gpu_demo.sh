@@ -40,7 +40,7 @@ ddp)
   ;;
 overhead)
   echo "== overhead"
-  PYTHONPATH=/tmp/site:$PWD/src python3 bench/overhead.py --out /tmp/bench 2>&1 | grep -v -E "USDT|UserWarning|_warn_once|CPUAllocator"
+  PYTHONPATH=/tmp/site:$PWD/src python3 bench/overhead.py --rounds 4 --steps 30 --pretouch-gb 16 --out /tmp/bench 2>&1 | grep -v -E "USDT|UserWarning|_warn_once|CPUAllocator"
   cp /tmp/bench/overhead.json $OUT/
   ;;
 esac
