@@ -35,3 +35,9 @@ def ddp2_dir(tmp_path_factory) -> Path:
 def memsnap(tmp_path_factory) -> Path:
     """torch.cuda.memory._snapshot() of the GPT-2 stall run."""
     return _copy(tmp_path_factory, "gpt2_train_stall_memsnap.pickle.gz") / "gpt2_train_stall_memsnap.pickle.gz"
+
+
+@pytest.fixture(scope="session")
+def ddp4_dir(tmp_path_factory) -> Path:
+    """4-layer GPT-2 DDP on 4 H200s; rank 2 runs 40 extra matmuls per step (the straggler)."""
+    return _copy(tmp_path_factory, *(f"ddp4_slow2_rank{r}.json.gz" for r in range(4)))

@@ -149,3 +149,30 @@ def test_loo_median_small():
     x = np.array([[1.0], [5.0], [2.0], [9.0]])
     want = [np.median(np.delete(x[:, 0], i)) for i in range(4)]
     assert rk.loo_median(x)[:, 0].tolist() == want
+
+
+def test_ddp4_h200_rank2_is_the_straggler(ddp4_dir):
+    rep = build_report(open_capture(str(ddp4_dir)))
+    strag = [f for f in rep["findings"] if f["code"] == "STRAGGLER_RANK"]
+    assert [f["rank"] for f in strag] == [2]
+    ev = strag[0]["evidence"]
+    assert ev["last_arrivals"] == ev["collectives"] > 0
+    assert sorted(ev["waiting_ranks"]) == [0, 1, 3]
+    assert ev["by_class"][0]["cls"] == "gpu: compute"
+    assert ev["differs"]["kernels"][0]["delta_calls"] == 40  # the 40 extra matmuls per step
+    cr = rep["cross_rank"]
+    assert cr["world_size"] == 4 and cr["missing_ranks"] == []
+    assert cr["flags"]["2"] == ["abnormal", "straggler"]
+    assert all(cr["flags"][str(r)] == ["waiting"] for r in (0, 1, 3))
+    comm = sorted(f["rank"] for f in rep["findings"] if f["code"] == "COMM_EXPOSED")
+    assert 2 not in comm and comm  # the waiting ranks, never the straggler
+
+
+def test_ddp4_three_of_four_traces(ddp4_dir, tmp_path):
+    # rank 3's trace lost: still rank 2, and rank 3 named as missing
+    import shutil
+    for r in (0, 1, 2):
+        shutil.copy(ddp4_dir / f"ddp4_slow2_rank{r}.json.gz", tmp_path)
+    rep = build_report(open_capture(str(tmp_path)))
+    assert rep["cross_rank"]["missing_ranks"] == [3]
+    assert [f["rank"] for f in rep["findings"] if f["code"] == "STRAGGLER_RANK"] == [2]

@@ -114,3 +114,12 @@ def test_rules_majority_without_collectives_and_no_majority():
     # most ranks outside collectives: the one inside a collective waits, it is not blamed
     res = analyse([_proc(i, i, b) for i in range(3)] + [_proc(9, 3, c)])
     assert res["outliers"] == [] and res["groups"][0]["ranks"] == [0, 1, 2]
+
+
+def test_real_nccl_snapshot_from_h200():
+    # `aiprof hang --job --json` of a live 4-rank NCCL job (tests/data/README.md): rank 1 stuck
+    data = Path(__file__).parents[1] / "data" / "hang_nccl_h200x4.json"
+    r = _hang_cli("--from", str(data), "--json")
+    res = json.loads(r.stdout)
+    assert [o["rank"] for o in res["outliers"]] == [1] and "load_batch" in res["outliers"][0]["reason"]
+    assert res["groups"][0]["ranks"] == [0, 2, 3]
