@@ -66,12 +66,16 @@ class Agent:
         self.entry: str | None = None
         self.patch_pending = False
         self.disabled = False
+        self.auto: Any = None
 
     def start(self, entry: str | None = None) -> None:
         self.tracker.install_optimizer_hook()
         if entry:
             self.set_entry(entry)
         self.control.start()
+        from aiprof.agent.autotrigger import maybe_start
+
+        self.auto = maybe_start(self)  # $AIPROF_AUTO: slowdown captures, gap snapshots
         atexit.register(self._at_exit)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -123,6 +127,8 @@ class Agent:
             "step_ms": t.median_ms(), "last_step_age_s": None if age is None else round(age, 3),
             "state": self.driver.state, "entry": self.entry, "entry_pending": self.patch_pending,
             "captures": self.driver.captures_done, "last_result": self.driver.last_result,
+            "auto": None if self.auto is None else {"captures": self.auto.captures, "snapshots": self.auto.snapshots,
+                                                    "events": self.auto.events[-5:]},
         }
 
     def _at_exit(self) -> None:

@@ -491,6 +491,7 @@ class CaptureDriver:
             "cmdline": list(getattr(sys, "orig_argv", sys.argv)),
             "cwd": os.getcwd(),
             "origin": getattr(self.agent, "origin", "?"),
+            "trigger": req.trigger or {"reason": "request"},  # auto-trigger: why it captured
             "mode": self.mode,  # iterations | duration (steps seen) | time (no steps: main thread)
             "options": req.to_dict(),
             "activities": self.info.get("activities"),

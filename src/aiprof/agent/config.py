@@ -78,6 +78,7 @@ class CaptureRequest:
     hw_interval_ms: int = 100
     max_trace_mb: int = DEFAULT_MAX_TRACE_MB
     entry: str | None = None
+    trigger: dict[str, Any] | None = None  # why the agent captured by itself (auto-trigger), else None
 
     def normalised(self) -> "CaptureRequest":
         """Validate and clamp every field; returns self. Raises RequestError on nonsense."""

@@ -16,6 +16,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("run", help="run a command with the capture agent preloaded",
                               description=__doc__.splitlines()[0])
     add_capture_options(p, wait_default=None)
+    p.add_argument("--auto", nargs="?", const="{}", default=None, metavar="JSON",
+                   help="auto-trigger: capture when steps slow down by 20%%, snapshot stacks when no step ends for "
+                        "300 s; JSON overrides settings, e.g. '{\"slowdown_ratio\": 1.5, \"gap_s\": 60}' "
+                        "(docs/findings.md, auto-trigger); outputs go to --out")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command to run")
     p.set_defaults(func=run)
 
@@ -28,6 +32,20 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     req = request_from_args(args)
     capture = has_capture_options(args)
+    if args.auto is not None:
+        import json
+        import os
+
+        from aiprof.errors import UsageError
+
+        try:
+            auto = json.loads(args.auto)
+        except ValueError as exc:
+            raise UsageError(f"--auto: not a JSON object ({exc})") from None
+        if not isinstance(auto, dict):
+            raise UsageError("--auto: not a JSON object")
+        auto.setdefault("out", req.out)
+        os.environ["AIPROF_AUTO"] = json.dumps(auto)  # the agent of every rank reads it
     rc = run_with_agent(cmd, req if capture else None, entry=args.entry)
     if capture:
         dirs = list_rank_dirs(req.out, req.capture_id)

@@ -1,0 +1,72 @@
+"""Auto-trigger: a job that slows down gets captured, a stalled one gets a stack snapshot,
+with no command from outside."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from capsupport import PY, SCRIPTS, aiprof, load_meta, load_trace, profiler_steps
+
+from aiprof.agent.autotrigger import AutoConfig, expected_gap, slowdown
+
+SCRIPT = SCRIPTS / "slowdown_train.py"
+FAST = 30
+
+
+def _dirs(out: Path, pattern: str) -> list[Path]:
+    return sorted(p.parent for p in out.glob(pattern))
+
+
+def test_slowdown_and_gap_are_caught_by_the_agent(rt, tmp_path):
+    out = tmp_path / "caps"
+    auto = {"warmup_steps": 3, "baseline_steps": 10, "recent_steps": 3, "capture_iterations": 3, "gap_s": 0.6,
+            "first_gap_factor": 1.0, "expected_gap_factor": 10.0, "min_interval_s": 0.0, "poll_s": 0.1}
+    r = aiprof(rt, "run", "--out", str(out), "--auto", json.dumps(auto), "--",
+               PY, str(SCRIPT), "--fast", str(FAST), "--slow", "25", "--gap-s", "2.0", "--ckpt-s", "2.0", timeout=150)
+    assert r.returncode == 0, r.stderr
+    caps = _dirs(out, "*/rank*/trace.json.gz")
+    assert caps, f"no auto capture in {out}: {r.stderr[-2000:]}"
+    meta = load_meta(caps[0])
+    trig = meta["trigger"]
+    assert trig["reason"] == "slowdown" and trig["threshold_ratio"] == 1.2
+    assert trig["ratio"] >= 1.2 and trig["recent_ms"] >= 1.2 * trig["baseline_ms"]
+    assert 6 < trig["baseline_ms"] < 16  # the fast steps (~8 ms)
+    # the captured iterations are the slow ones (numbered by the job's own count)
+    steps = profiler_steps(load_trace(caps[0]))
+    assert len(steps) == 3 and min(steps) >= FAST
+    assert min(meta["steps"]["during_ms"]) > 1.2 * trig["baseline_ms"]
+    # the stall in stuck_read() got a stack snapshot that names it...
+    snaps = _dirs(out, "snap-*/rank*/stacks.json")
+    assert len(snaps) == 1, r.stderr[-2000:]
+    sm = json.loads((snaps[0] / "meta.json").read_text())
+    assert sm["trigger"]["reason"] == "gap" and sm["trigger"]["no_step_for_s"] >= 0.6
+    assert sm["trigger"]["expected_gap_function"] is None
+    (proc,) = json.loads((snaps[0] / "stacks.json").read_text())
+    main = [t for t in proc["threads"] if t["name"] == "MainThread"][0]
+    assert [f["function"] for f in main["frames"][:2]] == ["stuck_read", "main"]
+    # ...and the checkpoint that followed was recognised as an expected gap: no second snapshot
+    hang = aiprof(rt, "hang", "--from", str(snaps[0] / "stacks.json"), "--json")
+    assert json.loads(hang.stdout)["groups"][0]["at"].startswith("stuck_read")
+
+
+def test_no_capture_when_the_job_keeps_its_pace(rt, tmp_path):
+    out = tmp_path / "caps"
+    auto = {"warmup_steps": 3, "baseline_steps": 10, "recent_steps": 3, "gap_s": 5.0, "poll_s": 0.1}
+    r = aiprof(rt, "run", "--out", str(out), "--auto", json.dumps(auto), "--",
+               PY, str(SCRIPT), "--fast", "40", "--slow", "0", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not list(out.glob("*/rank*/meta.json"))
+
+
+def test_slowdown_rule_and_expected_gap_names():
+    cfg = AutoConfig(warmup_steps=2, baseline_steps=4, recent_steps=2)
+    base = [0.5, 0.3] + [0.1] * 4
+    assert slowdown(base + [0.11, 0.115], cfg) is None  # +15 %: below 1.2x
+    d = slowdown(base + [0.12, 0.13], cfg)
+    assert d["reason"] == "slowdown" and d["ratio"] == 1.25 and d["baseline_ms"] == 100.0
+    assert slowdown(base, cfg) is None  # not enough steps yet
+    fr = [{"function": "write"}, {"function": "save_checkpoint"}, {"function": "main"}]
+    assert expected_gap(fr, AutoConfig().expected_gap_words) == "save_checkpoint"
+    assert expected_gap([{"function": "stuck_read"}], AutoConfig().expected_gap_words) is None
+    assert AutoConfig.from_env("0") is None and AutoConfig.from_env("1") == AutoConfig()
+    assert AutoConfig.from_env('{"gap_s": 7}').gap_s == 7
