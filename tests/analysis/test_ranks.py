@@ -6,7 +6,7 @@ import pytest
 
 from aiprof.analysis import ranks as rk
 from aiprof.analysis.report import build_report
-from aiprof.trace.store import Capture, RankTrace, open_capture
+from aiprof.trace.store import RankTrace, open_capture
 from aiprof.trace.table import Strings, Table
 
 

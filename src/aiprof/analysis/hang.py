@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any
 
 # torch.distributed functions that block until every rank of the group has joined
 COLLECTIVE_FUNCS = frozenset({
