@@ -7,7 +7,6 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
 from capsupport import (PY, REPO, SCRIPTS, TINY, aiprof, categories, env_with, load_meta, load_trace,
                         profiler_steps, rank_dirs, stop, wait_for)
 

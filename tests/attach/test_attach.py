@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from capsupport import (PY, REPO, SCRIPTS, TINY, aiprof, categories, env_with, load_meta, load_trace,
+from capsupport import (PY, REPO, SCRIPTS, TINY, aiprof, categories, load_meta, load_trace,
                         profiler_steps, stop, torch_loaded, wait_for)
 
 from aiprof.attach.procs import AttachError, ProcessInfo, check_attachable

@@ -26,7 +26,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiprof.agent.bootstrap import ENV_VAR  # noqa: F401  (agent package importable: fail early)
     from aiprof.agent.config import runtime_dir
     from aiprof.attach.inject import inject_agent
     from aiprof.attach.procs import check_attachable, inspect_process, resolve_targets
