@@ -4,7 +4,7 @@ Used to (1) time torch.profiler overhead per configuration, (2) capture real
 Kineto traces with a known anomaly (ground truth: step SLOW has an 80 ms
 sleep inside get_batch, so the GPU idles), (3) be a target for attach tests.
 """
-import gzip, json, os, shutil, sys, time
+import gzip, os, shutil, sys, time
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -161,7 +161,6 @@ def main() -> None:
     shutil.rmtree(store, ignore_errors=True)
     a2 = _measure("aiprof", trace, workers=2)
     rows.append(("aiprof ingest, 2 processes", a2))
-    a = min(a1, a2, key=lambda r: r["wall_s"])
     ro = _measure("aiprof-reopen", trace)
     rows.append(("aiprof re-open (all tables)", ro))
     h = None

@@ -5,7 +5,6 @@ import gzip
 import os
 import pickle
 
-import numpy as np
 import pytest
 
 from aiprof.analysis.comm import comm_analysis

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
-import numpy as np
 import pytest
 
 from aiprof.analysis import findings as F

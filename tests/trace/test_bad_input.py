@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import subprocess
 import sys
@@ -11,7 +10,7 @@ import pytest
 
 from aiprof.errors import TraceError
 from aiprof.trace import kineto
-from aiprof.trace.store import open_capture, store_dir_for
+from aiprof.trace.store import store_dir_for
 
 GOOD = b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 1}]}'
 

@@ -82,7 +82,7 @@ def _enclosing_op(tree, ts: np.ndarray, tid: np.ndarray) -> np.ndarray:
         nodes = np.nonzero(is_op & (tree.tid == t))[0]
         if not len(nodes):
             continue
-        s, e, d = tree.start[nodes], tree.end[nodes], tree.depth[nodes]
+        s, d = tree.start[nodes], tree.depth[nodes]
         # candidates: the last op starting at or before ts; walk up its op ancestors while it
         # does not contain ts (ops nest, so a few steps suffice)
         i = np.searchsorted(s, ts[q], side="right") - 1

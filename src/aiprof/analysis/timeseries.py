@@ -8,7 +8,6 @@ clock unless a name says otherwise.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np

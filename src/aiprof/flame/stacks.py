@@ -29,7 +29,7 @@ from aiprof.errors import UsageError
 from aiprof.flame.nesting import Nesting, nest
 from aiprof.flame.profile import GPU_PREFIX, Profile, Stack, merge
 from aiprof.trace.store import Capture, RankTrace
-from aiprof.trace.table import Strings, Table, concat
+from aiprof.trace.table import Table, concat
 
 # Order of host sources; the index doubles as the tie-break for identical bounds (outer first).
 _SOURCES = ("python", "annotations", "ops", "runtime")

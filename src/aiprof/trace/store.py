@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aiprof.errors import TraceError
