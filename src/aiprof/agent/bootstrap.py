@@ -180,6 +180,10 @@ def start_from_env() -> None:
             err = agent.driver.submit(req)
             if err:
                 log.warn_once("run-submit", f"capture not armed: {err}")
+        if cfg.get("server"):  # aiprof run --server: register, heartbeat, upload (agent/uplink.py)
+            from aiprof.agent.uplink import start_uplink
+
+            start_uplink(agent, cfg["server"])
     except Exception as exc:
         log.error("agent start", exc)
 
@@ -219,6 +223,10 @@ def _start_attached_now(cfg: dict[str, Any]) -> None:
         else:
             rt = cfg.get("runtime_dir") or runtime_dir()
             agent = ensure_agent("attach", rt, cfg.get("entry"))
+            if cfg.get("server"):  # aiprof attach --server (agent/uplink.py)
+                from aiprof.agent.uplink import start_uplink
+
+                start_uplink(agent, cfg["server"])
             import torch
 
             status.update(ok=True, socket=agent.control.path, torch=torch.__version__,

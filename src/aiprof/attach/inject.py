@@ -120,7 +120,8 @@ def lib_dir(rt: str) -> str:
     return d
 
 
-def _stage(info: ProcessInfo, rt: str, agent_rt: str, entry: str | None) -> tuple[str, str, str]:
+def _stage(info: ProcessInfo, rt: str, agent_rt: str, entry: str | None,
+           server: dict | None = None) -> tuple[str, str, str]:
     """Write the shim copy, script and status path for one target; returns (so, py, status)."""
     stage = os.path.join(rt, "attach")
     os.makedirs(stage, mode=0o711, exist_ok=True)
@@ -128,10 +129,11 @@ def _stage(info: ProcessInfo, rt: str, agent_rt: str, entry: str | None) -> tupl
     so, py, status = stem + ".so", stem + ".py", stem + ".status.json"
     if any(c in stem for c in "'\\\"\n"):
         raise AttachError(f"runtime folder path {rt!r} has quotes or backslashes; set AIPROF_RUNTIME_DIR")
-    cfg = {"lib": lib_dir(rt), "status_path": status, "runtime_dir": agent_rt, "entry": entry}
+    cfg = {"lib": lib_dir(rt), "status_path": status, "runtime_dir": agent_rt, "entry": entry, "server": server}
     with open(py, "w") as f:
         f.write(SCRIPT.format(cfg=json.dumps(cfg)))
-    os.chmod(py, 0o644)
+    # the script holds the server token when there is one: readable by the target's user only
+    os.chmod(py, 0o600 if server and info.uid == os.getuid() else 0o644)
     if info.version is None or info.version < (3, 14):
         shutil.copyfile(build_shim(), so)
         os.chmod(so, 0o755)
@@ -229,7 +231,7 @@ def available_methods(version: tuple[int, int] | None) -> list[str]:
 
 
 def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry: str | None = None,
-                 timeout: float = 15.0, method: str | None = None) -> InjectResult:
+                 timeout: float = 15.0, method: str | None = None, server: dict | None = None) -> InjectResult:
     """Load and start the agent in ``info.pid``; waits (bounded) for its status file.
 
     ``rt``: our runtime folder (staging); ``agent_rt``: where the agent puts its control socket.
@@ -241,7 +243,7 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
         methods = [method]
     if not methods:
         raise AttachError("no injection method available: pip install pyinjector (or install gdb)")
-    so, py, status_path = _stage(info, rt, agent_rt or rt, entry)
+    so, py, status_path = _stage(info, rt, agent_rt or rt, entry, server)
     m = methods[0]
     started = False
     try:

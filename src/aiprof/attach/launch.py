@@ -36,12 +36,17 @@ def make_boot_dir(parent: str | None = None) -> str:
 
 
 def agent_env(boot_dir: str, request: CaptureRequest | None, entry: str | None, rt: str | None,
-              base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the job: PYTHONPATH with the boot folder first, AIPROF_AGENT set."""
+              base: dict[str, str] | None = None, server: dict[str, Any] | None = None) -> dict[str, str]:
+    """The environment for the job: PYTHONPATH with the boot folder first, AIPROF_AGENT set.
+
+    ``server``: ``{"url", "token", "out", "job"}`` makes every agent link to the service.
+    """
     env = dict(os.environ if base is None else base)
     old = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = boot_dir + (os.pathsep + old if old else "")
     cfg: dict[str, Any] = {"request": request.to_dict() if request else None, "entry": entry}
+    if server:
+        cfg["server"] = server
     if rt:
         cfg["runtime_dir"] = rt
         env["AIPROF_RUNTIME_DIR"] = rt
@@ -50,7 +55,7 @@ def agent_env(boot_dir: str, request: CaptureRequest | None, entry: str | None, 
 
 
 def run_with_agent(cmd: list[str], request: CaptureRequest | None, entry: str | None = None,
-                   rt: str | None = None) -> int:
+                   rt: str | None = None, server: dict[str, Any] | None = None) -> int:
     """Run ``cmd`` with the agent preloaded; forwards SIGINT/SIGTERM; returns its exit code."""
     if not cmd:
         raise AiprofError("nothing to run: give a command after --, e.g. aiprof run -- python train.py")
@@ -58,7 +63,7 @@ def run_with_agent(cmd: list[str], request: CaptureRequest | None, entry: str | 
         raise AiprofError(f"command not found: {cmd[0]}")
     boot = make_boot_dir()
     try:
-        env = agent_env(boot, request, entry, rt)
+        env = agent_env(boot, request, entry, rt, server=server)
         try:
             proc = subprocess.Popen(cmd, env=env)
         except OSError as exc:

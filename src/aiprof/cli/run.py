@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from aiprof.cli.capture_options import add_capture_options, has_capture_options, request_from_args
+from aiprof.cli.server_options import add_server_options, agent_server_config
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="auto-trigger: capture when steps slow down by 20%%, snapshot stacks when no step ends for "
                         "300 s; JSON overrides settings, e.g. '{\"slowdown_ratio\": 1.5, \"gap_s\": 60}' "
                         "(docs/findings.md, auto-trigger); outputs go to --out")
+    add_server_options(p, "job id the agents register under (default: torchrun run id, SLURM job, "
+                          "rendezvous address; sets $AIPROF_JOB)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...", help="the command to run")
     p.set_defaults(func=run)
 
@@ -46,7 +49,17 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--auto: not a JSON object")
         auto.setdefault("out", req.out)
         os.environ["AIPROF_AUTO"] = json.dumps(auto)  # the agent of every rank reads it
-    rc = run_with_agent(cmd, req if capture else None, entry=args.entry)
+    server = agent_server_config(args, req.out)  # --server: agents register, heartbeat, upload
+    if server:
+        import sys as _sys
+
+        from aiprof.server.client import ServerClient, ServerError
+
+        try:
+            ServerClient(server["url"], server["token"], timeout=3.0).get("info")
+        except ServerError as exc:  # the job runs anyway; its agents keep trying
+            print(f"aiprof: warning: server not reachable now ({exc}); agents will keep trying", file=_sys.stderr)
+    rc = run_with_agent(cmd, req if capture else None, entry=args.entry, server=server)
     if capture:
         dirs = list_rank_dirs(req.out, req.capture_id)
         if dirs:

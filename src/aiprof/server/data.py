@@ -37,12 +37,15 @@ class BadRequest(AiprofError):
 class CaptureData:
     """A capture plus lazily built, memoised report and per-rank analyses (thread safe)."""
 
-    def __init__(self, capture: Capture, entry: str | None = None, memory_snapshot: str | None = None) -> None:
+    def __init__(self, capture: Capture, entry: str | None = None, memory_snapshot: str | None = None,
+                 report: dict | None = None) -> None:
+        """``report``: the capture's report when it is already built (the service's analysis
+        wrote it), so that opening the UI does not analyse the capture a second time."""
         self.capture = capture
         self.entry = entry
         self.memory_snapshot = memory_snapshot
         self._lock = threading.RLock()
-        self._memo: dict[Any, Any] = {}
+        self._memo: dict[Any, Any] = {} if report is None else {"report": report}
 
     def _once(self, key: Any, fn: Callable[[], Any]) -> Any:
         with self._lock:

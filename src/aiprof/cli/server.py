@@ -1,0 +1,86 @@
+"""``aiprof server [--data DIR] [--host 127.0.0.1] [--port 8643]``: the central service.
+
+Agents of jobs started with ``aiprof run --server URL`` register with it; ``aiprof trigger
+--server URL --job JOB`` captures every rank of a job; uploads are analysed and shown in the
+web UI. State lives in DATA (default ``$AIPROF_DATA`` or ~/.local/share/aiprof/server);
+the token is DATA/token. docs/server.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+
+from aiprof.errors import AiprofError, UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from aiprof.server.auth import default_data_dir
+
+    p = sub.add_parser("server", help="central service: agents, job-wide triggers, uploads, analysis, web UI",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=None, metavar="DIR", help=f"data folder (default {default_data_dir()})")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a cluster)")
+    p.add_argument("--port", type=int, default=8643, help="port (default 8643; 0 picks a free one)")
+    p.add_argument("--max-file-mb", type=int, default=4096, metavar="MB", help="largest uploaded file (default 4096)")
+    p.add_argument("--heartbeat-s", type=float, default=1.0, metavar="S",
+                   help="agents' heartbeat period (default 1 s; stretched automatically above 500 agents)")
+    p.add_argument("--public-url", default=None, metavar="URL", help="base URL printed in links (default: as requested)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from aiprof.server.service import create_service
+    except ModuleNotFoundError as exc:
+        raise AiprofError(f"the server needs the 'ui' extra ({exc.name} is missing): pip install 'aiprof[ui]'") from None
+    from aiprof.cli.ui import _check_bind
+    from aiprof.server.auth import default_data_dir
+    from aiprof.server.store import write_json
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be 0..65535, not {args.port}")
+    if args.heartbeat_s <= 0 or args.max_file_mb <= 0:
+        raise UsageError("--heartbeat-s and --max-file-mb must be > 0")
+    data = os.path.abspath(args.data or default_data_dir())
+    try:
+        os.makedirs(data, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        raise AiprofError(f"--data {data}: {exc.strerror}") from None
+    _check_bind(args.host, args.port)
+    app, svc = create_service(data, args.max_file_mb, args.heartbeat_s, args.public_url)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_keep_alive=30, backlog=4096)
+    server = uvicorn.Server(config)
+
+    def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            threading.Event().wait(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
+        url = f"http://{host}:{port}"
+        write_json(os.path.join(data, "server.json"), {"url": url, "pid": os.getpid(), "data": data})
+        print(f"aiprof server: {url}/  data {data}  (token in {os.path.join(data, 'token')}; "
+              f"a browser logs in once with {url}/?token=<token>)", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run()
+    except (OSError, SystemExit) as exc:
+        raise AiprofError(f"cannot serve on {args.host}:{args.port}: {getattr(exc, 'strerror', None) or 'bind failed'}") from None
+    finally:
+        try:
+            os.unlink(os.path.join(data, "server.json"))
+        except OSError:
+            pass
+    if not server.started:
+        raise AiprofError(f"cannot serve on {args.host}:{args.port} (address in use?)")
+    print(json.dumps({"stopped": True, **svc.stats}), file=sys.stderr)
+    return 0

@@ -1,0 +1,162 @@
+"""The service's embedded store: one local directory, no database (docs/server.md, "Storage").
+
+::
+
+    DATA/
+      token                          0600, created at first start
+      server.json                    url and pid of the running server (for tests and scripts)
+      captures/<capture-id>/
+        .state.json                  job, request, expected ranks, per-rank results, analysis state
+        rank<R>/trace.json.gz        uploaded files (visible only once their SHA-256 matched)
+        rank<R>/trace.json.gz.aiprof/  the columnar store (Parquet), written by ingest
+        rank<R>/.uploads/<name>.part   partial uploads (resume from their size)
+        report/report.json, report.txt the analysis
+      hang/<snapshot-id>/.state.json, rank<R>.json, hang.json
+
+Every name that comes from a client (capture id, file name, job, snapshot id) is checked
+against one strict pattern and every path is re-checked to lie under DATA, so no request can
+reach outside it. State files are written atomically (temp file + rename): a restart finds
+either the old or the new state, never half of one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+from typing import Any
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_RANK = 1 << 20
+STATE = ".state.json"
+PART_DIR = ".uploads"
+
+
+class BadName(ValueError):
+    """A client-supplied name that is not a plain, safe file name."""
+
+
+def safe_name(name: str, what: str = "name") -> str:
+    """``name`` if it is a plain name (letters, digits, . _ -; no '..', no '/'), else BadName."""
+    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+        raise BadName(f"bad {what} {name!r}: use letters, digits, '.', '_' and '-' (at most 128)")
+    return name
+
+
+def safe_rank(rank: Any) -> int:
+    """A rank number in 0..2^20."""
+    try:
+        r = int(rank)
+    except (TypeError, ValueError):
+        raise BadName(f"bad rank {rank!r}") from None
+    if not 0 <= r < MAX_RANK or str(rank).strip() not in (str(r), f"+{r}"):
+        raise BadName(f"bad rank {rank!r}")
+    return r
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write JSON atomically (temp file in the same folder, then rename)."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(path: str) -> Any:
+    """JSON from ``path``, or None if missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class DataDir:
+    """Paths inside DATA, each checked to stay inside it."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.realpath(root)
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        for sub in ("captures", "hang"):
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+        self.lock = threading.RLock()  # guards state files read-modify-write
+
+    def _inside(self, *parts: str) -> str:
+        p = os.path.realpath(os.path.join(self.root, *parts))
+        if os.path.commonpath([p, self.root]) != self.root or p == self.root:
+            raise BadName(f"path escapes the data folder: {'/'.join(parts)!r}")
+        return p
+
+    # -- captures -------------------------------------------------------------------------------
+    def capture_dir(self, cid: str) -> str:
+        return self._inside("captures", safe_name(cid, "capture id"))
+
+    def rank_dir(self, cid: str, rank: int) -> str:
+        return self._inside("captures", safe_name(cid, "capture id"), f"rank{safe_rank(rank)}")
+
+    def file_path(self, cid: str, rank: int, name: str) -> str:
+        return self._inside("captures", safe_name(cid, "capture id"), f"rank{safe_rank(rank)}",
+                            safe_name(name, "file name"))
+
+    def part_path(self, cid: str, rank: int, name: str) -> str:
+        return self._inside("captures", safe_name(cid, "capture id"), f"rank{safe_rank(rank)}", PART_DIR,
+                            safe_name(name, "file name") + ".part")
+
+    def capture_ids(self) -> list[str]:
+        base = os.path.join(self.root, "captures")
+        return sorted((d for d in os.listdir(base) if NAME_RE.match(d) and os.path.isfile(os.path.join(base, d, STATE))),
+                      reverse=True)
+
+    def load_capture(self, cid: str) -> dict | None:
+        return read_json(os.path.join(self.capture_dir(cid), STATE))
+
+    def save_capture(self, cid: str, state: dict) -> None:
+        write_json(os.path.join(self.capture_dir(cid), STATE), state)
+
+    def update_capture(self, cid: str, fn: Any) -> dict | None:
+        """Read-modify-write a capture's state under the lock; ``fn(state)`` edits in place."""
+        with self.lock:
+            st = self.load_capture(cid)
+            if st is None:
+                return None
+            fn(st)
+            self.save_capture(cid, st)
+            return st
+
+    def uploaded_ranks(self, cid: str) -> dict[int, list[str]]:
+        """rank -> complete files of a capture (a rank is complete once meta.json is there)."""
+        out: dict[int, list[str]] = {}
+        base = self.capture_dir(cid)
+        if not os.path.isdir(base):
+            return out
+        for d in os.listdir(base):
+            m = re.fullmatch(r"rank(\d+)", d)
+            if m:
+                files = sorted(f for f in os.listdir(os.path.join(base, d))
+                               if NAME_RE.match(f) and os.path.isfile(os.path.join(base, d, f)))
+                out[int(m.group(1))] = files
+        return out
+
+    def trace_files(self, cid: str) -> list[str]:
+        """The uploaded trace of each complete rank (meta.json present), sorted by rank."""
+        ranks = self.uploaded_ranks(cid)
+        return [os.path.join(self.rank_dir(cid, r), "trace.json.gz") for r in sorted(ranks)
+                if "meta.json" in ranks[r] and "trace.json.gz" in ranks[r]]
+
+    # -- hang snapshots -------------------------------------------------------------------------
+    def hang_dir(self, sid: str) -> str:
+        return self._inside("hang", safe_name(sid, "snapshot id"))
+
+    def hang_ids(self) -> list[str]:
+        base = os.path.join(self.root, "hang")
+        return sorted((d for d in os.listdir(base) if NAME_RE.match(d)), reverse=True)
