@@ -39,3 +39,35 @@ def test_help_lists_verbs():
     assert res.returncode == 0 and "analyze" in res.stdout
     res = _aiprof("analyze", "--help")
     assert res.returncode == 0 and "--json" in res.stdout
+
+
+def test_progress_bar_on_a_terminal_goes_to_stderr(gpt2_stall, tmp_path):
+    """On a terminal, ingest shows a rich progress bar on stderr; stdout stays the report."""
+    import os
+    import pty
+    import select
+    import shutil
+
+    p = tmp_path / "t.json.gz"
+    shutil.copy(gpt2_stall, p)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "aiprof", "analyze", str(p), "--json"], stdout=subprocess.PIPE,
+                            stderr=slave, stdin=slave, env={**os.environ, "AIPROF_PROGRESS": "always"})
+    os.close(slave)
+    err = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            err += chunk
+        elif proc.poll() is not None:
+            break
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0
+    assert b"ingest" in err and b"MB" in err
+    assert json.loads(out)["schema"] == "aiprof.report/1"

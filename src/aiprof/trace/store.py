@@ -39,6 +39,7 @@ from aiprof.trace.table import Table
 STORE_VERSION = 1
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
+PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
 _RANK_IN_NAME = re.compile(r"rank[_\-]?(\d+)", re.IGNORECASE)
 
 
@@ -253,20 +254,24 @@ def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progre
     """Open trace files and/or capture directories as one :class:`Capture`.
 
     A progress bar is shown on stderr for large inputs when stderr is a terminal
-    (``show_progress`` forces it on or off).
+    (``show_progress`` forces it on or off; so does $AIPROF_PROGRESS=always|never).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [str(paths)]
     files = find_trace_files(paths)
     total = sum(os.path.getsize(f) for f in files)
     if show_progress is None:
-        show_progress = sys.stderr.isatty() and total > (32 << 20)
+        mode = os.environ.get("AIPROF_PROGRESS", "auto")
+        show_progress = mode == "always" or (mode == "auto" and sys.stderr.isatty() and total > PROGRESS_MIN_BYTES)
     ranks: list[RankTrace] = []
     if show_progress:
+        from rich.console import Console
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+        # on stderr: stdout may be the JSON report, piped elsewhere
         with Progress(TextColumn("[bold]ingest[/] {task.description}"), BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), TimeRemainingColumn(), transient=True) as bar:
+                      TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+                      console=Console(stderr=True)) as bar:
             task = bar.add_task("", total=total)
             done = 0
             for i, f in enumerate(files):
