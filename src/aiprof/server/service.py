@@ -528,7 +528,7 @@ class Service:
             jobs.append(f"<tr><td>{html.escape(job)}</td><td>{len(agents)}</td><td>"
                         + html.escape(", ".join(f"{a.rank}@{a.host}:{a.pid} ({a.steps} it)" for a in agents[:32]))
                         + f"</td><td>{max(now - a.last_seen for a in agents):.1f} s</td></tr>")
-        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>aiprof server</title>"
+        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>aiprof server</title><link rel='icon' href='data:,'>"
                 "<style>body{font:14px system-ui;margin:2em}td,th{padding:.2em .8em;text-align:left}</style></head>"
                 f"<body><h1>aiprof server</h1><h2>Captures</h2><table id='captures'><tr><th>capture</th><th>job</th>"
                 f"<th>state</th><th>ranks</th><th>created</th></tr>{''.join(rows)}</table>"
