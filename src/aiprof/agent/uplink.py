@@ -34,7 +34,7 @@ from aiprof.agent.config import CaptureRequest
 
 CALL_TIMEOUT_S = 5.0
 UPLOAD_TIMEOUT_S = 120.0
-MAX_BACKOFF_S = 30.0
+MAX_BACKOFF_S = 10.0  # heartbeat retry period at most, while the server is away
 MAX_RETRY_S = 60.0
 OUTBOX = 64
 MAX_RETRIES_KEPT = 32
