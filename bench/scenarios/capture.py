@@ -12,6 +12,7 @@ GPT-2); the script prints each file's size and the ground truth, and writes it a
 | generate_b1 | eager GPT-2 ``generate`` with batch 1 (tiny kernels, one token at a time) | GPU_IDLE_HOST_BOUND |
 | slow_getitem | DataLoader (num_workers=0) whose ``__getitem__`` sleeps 4 ms per sample | DATA_LOADING |
 | item_in_loop | ``.item()`` on a GPU tensor after every block of the forward pass | SYNC_STALL |
+| sync_logging | ``loss.item()`` per micro-batch, then host-side logging before the next launch | SYNC_STALL |
 | pageable_copy | a 256 MiB pageable host tensor copied to the GPU every step | MEMCPY_PAGEABLE |
 | fp32_matmul | fp32 matmuls with TF32 disabled | LOW_TENSOR_CORE |
 | healthy | bf16 autocast GPT-2 training, data already on the GPU | no ``high`` finding |
@@ -126,6 +127,32 @@ def item_in_loop() -> str:
     return _profiled("item_in_loop", step)
 
 
+def sync_logging() -> str:
+    """Per-micro-batch ``loss.item()`` followed by host-side metric logging (the common pattern):
+    the sync drains the GPU queue, so the GPU idles for as long as the host logs."""
+    import json
+    import random
+
+    model = _gpt2(n_layer=4, n_embd=1024, n_head=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 50257, (8, 512), device=DEV)
+    rng = random.Random(0)
+    log = []
+
+    def step(i):
+        for mb in range(2):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, labels=x).loss / 2
+            loss.backward()
+            value = loss.item()  # the injected fault: a sync, then host work before the next launch
+            sample = sorted(rng.random() for _ in range(30_000))
+            log.append(json.dumps({"step": i, "mb": mb, "loss": value, "p50": sample[len(sample) // 2]}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _profiled("sync_logging", step)
+
+
 def pageable_copy() -> str:
     model = _gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -172,6 +199,7 @@ SCENARIOS = {
     "generate_b1": (generate_b1, "GPU_IDLE_HOST_BOUND"),
     "slow_getitem": (slow_getitem, "DATA_LOADING"),
     "item_in_loop": (item_in_loop, "SYNC_STALL"),
+    "sync_logging": (sync_logging, "SYNC_STALL"),
     "pageable_copy": (pageable_copy, "MEMCPY_PAGEABLE"),
     "fp32_matmul": (fp32_matmul, "LOW_TENSOR_CORE"),
     "healthy": (healthy, "no high finding"),

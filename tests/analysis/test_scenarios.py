@@ -52,13 +52,23 @@ def test_healthy_training_has_no_high_finding(tmp_path):
     assert not [x for x in _findings(tmp_path, "healthy") if x["severity"] == "high"]
 
 
+def test_item_then_host_work_is_a_sync_stall(tmp_path):
+    f = _findings(tmp_path, "sync_logging")
+    stall = [x for x in f if x["code"] == "SYNC_STALL"]
+    assert len(stall) == 1 and stall[0]["severity"] == "high"
+    ev = stall[0]["evidence"]
+    assert ev["op"] == "aten::_local_scalar_dense" and "capture.py(142): step" in ev["site"]
+    # removing a sync saves at most what the host waited, even though the GPU idles far longer after it
+    assert stall[0]["impact_us"] == ev["host_wait_us"] < ev["gpu_idle_after_us"]
+
+
 def test_cheap_item_calls_are_not_a_sync_stall(tmp_path):
     f = _findings(tmp_path, "item_in_loop")
     assert "SYNC_STALL" not in [x["code"] for x in f]
     assert f[0]["code"] == "GPU_IDLE_HOST_BOUND"
 
 
-@pytest.mark.parametrize("name", ["generate_b1", "slow_getitem", "pageable_copy", "fp32_matmul", "healthy", "item_in_loop"])
+@pytest.mark.parametrize("name", ["generate_b1", "slow_getitem", "pageable_copy", "fp32_matmul", "healthy", "item_in_loop", "sync_logging"])
 def test_findings_are_well_formed(tmp_path, name):
     f = _findings(tmp_path, name)
     assert [x["impact_us"] for x in f] == sorted((x["impact_us"] for x in f), reverse=True)
