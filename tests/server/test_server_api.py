@@ -204,3 +204,17 @@ def test_plan_start_uses_the_freshest_estimate():
     assert plan_start([a, b], skip=500, interval_s=1.0, now=now) == 650
     idle = AgentInfo("c", "j", "h", 3, 0, 1, {}, steps=0)
     assert plan_start([idle], 0, 1.0) is None
+
+
+def test_duration_trigger_gets_a_common_start_time(server):
+    c = server.client()
+    for r in (0, 1):
+        c.post("agents", {"agent_id": f"d-{r}", "job": "jd", "host": "h", "pid": r, "rank": r, "world_size": 2,
+                          "steps": 5, "step_ms": 20.0})
+    t0 = time.time_ns()
+    started = c.post("jobs/jd/captures", {"request": {"duration_ms": 500}, "auto_analyze": False})
+    # one heartbeat interval (1 s) + 0.75 s margin ahead, the same instant for every rank
+    assert started["start_at"] is None and 1.7e9 <= started["start_unix_ns"] - t0 <= 2.5e9
+    got = [c.post(f"agents/d-{r}/heartbeat", {"steps": 6})["commands"][0] for r in (0, 1)]
+    assert {x["start_unix_ns"] for x in got} == {started["start_unix_ns"]}
+    assert all(x["request"]["duration_ms"] == 500 and x["request"]["start_at"] is None for x in got)

@@ -104,6 +104,10 @@ class Service:
         self.file_locks: dict[tuple, asyncio.Lock] = {}
         self.ui_apps: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.analysing: set[str] = set()
+        # captures still waiting for ranks and snapshots still collecting: the ticker looks at
+        # these only, not at every capture ever stored
+        self.active: set[str] = set()
+        self.active_hang: set[str] = set()
         self.analysis_sem: asyncio.Semaphore | None = None
         self.stats = {"uploads": 0, "upload_bytes": 0, "checksum_mismatch": 0}
 
@@ -122,19 +126,25 @@ class Service:
         """After a restart: analyses that were running or due are queued again."""
         for cid in self.data.capture_ids():
             st = self.data.load_capture(cid) or {}
+            if st.get("state") == "capturing":
+                self.active.add(cid)
             if st.get("state") == "analysing" or (st.get("state") == "uploaded" and st.get("auto_analyze")):
                 self._start_analysis(cid)
+        for sid in self.data.hang_ids():
+            path = os.path.join(self.data.hang_dir(sid), STATE)
+            hs = read_json(path) or {}
+            if hs.get("state") in ("collecting", "analysing"):  # interrupted: analyse what arrived
+                write_json(path, {**hs, "state": "collecting"})
+                self.active_hang.add(sid)
 
     async def _ticker(self) -> None:
         n = 0
         while True:
             await asyncio.sleep(TICK_S)
             try:
-                for cid in self.data.capture_ids()[:200]:
-                    st = self.data.load_capture(cid)
-                    if st and st.get("state") == "capturing":
-                        self._check_complete(cid)
-                for sid in self.data.hang_ids()[:50]:
+                for cid in sorted(self.active):
+                    self._check_complete(cid)
+                for sid in sorted(self.active_hang):
                     await self._check_hang(sid)
                 n += 1
                 if n % 120 == 0:
@@ -224,6 +234,7 @@ class Service:
                  "results": {}, "state": "capturing", "source": "trigger"}
         os.makedirs(self.data.capture_dir(cid), exist_ok=True)
         self.data.save_capture(cid, state)
+        self.active.add(cid)
         self.registry.send(agents, {"op": "capture", "capture_id": cid, "request": r.to_dict(),
                                     "start_unix_ns": start_ns})
         return JSONResponse({"capture_id": cid, "job": state["job"], "ranks": state["expected"], "start_at": start_at,
@@ -238,6 +249,7 @@ class Service:
         st = {"snapshot_id": sid, "job": agents[0].job, "created": time.time(), "deadline": time.time() + timeout,
               "expected": sorted(a.rank for a in agents), "state": "collecting"}
         write_json(os.path.join(self.data.hang_dir(sid), STATE), st)
+        self.active_hang.add(sid)
         self.registry.send(agents, {"op": "stacks", "snapshot_id": sid})
         return JSONResponse({"snapshot_id": sid, "ranks": st["expected"], "status": self.url(req, f"/api/v1/hang/{sid}")})
 
@@ -258,12 +270,14 @@ class Service:
         d = self.data.hang_dir(sid)
         st = read_json(os.path.join(d, STATE))
         if not st or st.get("state") != "collecting":
+            self.active_hang.discard(sid)
             return
         have = {int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"rank(\d+)\.json", f))}
         if not set(st["expected"]) <= have and time.time() < st["deadline"]:
             return
         st["state"] = "analysing"
         write_json(os.path.join(d, STATE), st)
+        self.active_hang.discard(sid)
         procs = [read_json(os.path.join(d, f"rank{r}.json")) for r in sorted(have)]
 
         def analyse() -> dict:
@@ -384,6 +398,7 @@ class Service:
                                              "created": time.time(), "expected": None, "results": {},
                                              "deadline": time.time() + 600, "auto_analyze": True,
                                              "state": "capturing", "source": "agent"})
+                self.active.add(cid)
 
     # ------------------------------------------------------------------ completion + analysis
     def _check_complete(self, cid: str) -> None:
@@ -391,6 +406,7 @@ class Service:
         (or at the deadline, with what arrived); then the analysis starts if asked for."""
         st = self.data.load_capture(cid)
         if not st or st.get("state") != "capturing":
+            self.active.discard(cid)
             return
         ranks = self.data.uploaded_ranks(cid)
         done = {r for r, files in ranks.items() if "meta.json" in files}
@@ -417,6 +433,7 @@ class Service:
             steps = [tuple(v or ()) for v in s["steps_by_rank"].values()]
             s["aligned"] = bool(steps) and all(x == steps[0] for x in steps)
         st = self.data.update_capture(cid, upd)
+        self.active.discard(cid)
         if st and st.get("state") == "uploaded" and st.get("auto_analyze"):
             self._start_analysis(cid)
 
