@@ -15,16 +15,6 @@ from aiprof.errors import AiprofError
 from aiprof.trace.store import open_capture
 
 
-@pytest.fixture(scope="module")
-def gpt2(gpt2_stall):
-    return open_capture(str(gpt2_stall)).ranks[0]
-
-
-@pytest.fixture(scope="module")
-def ddp(ddp2_dir):
-    return open_capture(str(ddp2_dir))
-
-
 def test_ddp_collectives(ddp):
     r0, r1 = (comm_analysis(ddp.rank(r)) for r in (0, 1))
     assert set(r0.by_type) == {"AllReduce"}

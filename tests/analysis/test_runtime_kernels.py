@@ -11,16 +11,6 @@ from aiprof.analysis.runtime import launch_delay, runtime_analysis
 from aiprof.trace.store import open_capture
 
 
-@pytest.fixture(scope="module")
-def gpt2(gpt2_stall):
-    return open_capture(str(gpt2_stall)).ranks[0]
-
-
-@pytest.fixture(scope="module")
-def ddp(ddp2_dir):
-    return open_capture(str(ddp2_dir))
-
-
 def test_runtime_calls_and_sync_sites(gpt2):
     ra = runtime_analysis(gpt2, top=50)
     calls = {c.name: c for c in ra.calls}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aiprof.analysis.breakdown import gpu_unions
+from aiprof.analysis.breakdown import GpuUnions, gpu_unions
 from aiprof.analysis.intervals import union, union_of
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
@@ -63,26 +63,35 @@ def _bucket(nbytes: np.ndarray) -> np.ndarray:
     return np.searchsorted(np.array(_SIZE_BUCKETS), nbytes, side="right")
 
 
+def exposed_by_type(rt: RankTrace, u: GpuUnions, lo, hi) -> dict[str, tuple[int, int, int]]:
+    """Per collective type (from kernel names): calls and summed kernel ns over the whole trace,
+    and ns not overlapped by compute inside the window(s) ``[lo, hi)`` (scalars or arrays)."""
+    k = rt.kernels
+    out: dict[str, tuple[int, int, int]] = {}
+    if not len(k):
+        return out
+    names = k.strings("name")
+    is_comm = k.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
+    ctype = np.array([classify.collective_type(s) or "other" for s in names.labels] + [""], dtype=object)
+    types = ctype[names.codes]
+    comp = int(u.compute.covered(lo, hi).sum())
+    for t in sorted(set(types[is_comm])):
+        m = is_comm & (types == t)
+        cu = union(k["ts"][m], (k["ts"] + k["dur"])[m])
+        out[t] = (int(m.sum()), int(k["dur"][m].sum()), int(union_of(u.compute, cu).covered(lo, hi).sum()) - comp)
+    return out
+
+
 def comm_analysis(rt: RankTrace, lo: int | None = None, hi: int | None = None) -> CommAnalysis:
     """Communication of one rank over [lo, hi) (defaults to all of it)."""
-    k = rt.kernels
     u = gpu_unions(rt)
     if lo is None or hi is None:
         lo, hi = (int(u.all.start[0]), int(u.all.end[-1])) if len(u.all.start) else (0, 0)
     comp = int(u.compute.covered(lo, hi)[0])
     total = int(u.comm.covered(lo, hi)[0])
     exposed = int(u.compute_comm.covered(lo, hi)[0]) - comp
-    by_type: dict[str, dict] = {}
-    if len(k):
-        names = k.strings("name")
-        is_comm = k.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
-        ctype = np.array([classify.collective_type(s) or "other" for s in names.labels] + [""], dtype=object)
-        types = ctype[names.codes]
-        for t in sorted(set(types[is_comm])):
-            m = is_comm & (types == t)
-            cu = union(k["ts"][m], (k["ts"] + k["dur"])[m])
-            by_type[t] = {"calls": int(m.sum()), "total_us": float(k["dur"][m].sum()) / NS_PER_US,
-                          "exposed_us": float(union_of(u.compute, cu).covered(lo, hi)[0] - comp) / NS_PER_US}
+    by_type = {t: {"calls": calls, "total_us": kern_ns / NS_PER_US, "exposed_us": exp_ns / NS_PER_US}
+               for t, (calls, kern_ns, exp_ns) in exposed_by_type(rt, u, lo, hi).items()}
     groups = _groups(rt)
     link, why = link_class(rt, groups)
     return CommAnalysis(groups, by_type, total / NS_PER_US, exposed / NS_PER_US, link, why)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from aiprof.analysis.breakdown import gpu_unions
-from aiprof.analysis.intervals import Union, union
+from aiprof.analysis.comm import exposed_by_type
+from aiprof.analysis.intervals import Union, union, union_of
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.trace import classify
@@ -501,21 +502,10 @@ def class_ratios(rt: RankTrace, steps: Steps, tree: HostTree) -> list[ClassRatio
     out: list[ClassRatio] = []
     comp = int(u.compute.covered(lo, hi).sum())
     out.append(ClassRatio("gpu: compute", comp / NS_PER_US, comp / win))
-    from aiprof.analysis.intervals import union_of
-
     mem = int(union_of(u.compute, u.memory).covered(lo, hi).sum()) - comp
     out.append(ClassRatio("gpu: memory ops", mem / NS_PER_US, mem / win))
-    k = rt.kernels
-    if len(k):
-        names = k.strings("name")
-        is_comm = k.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
-        ctype = np.array([classify.collective_type(s) or "other" for s in names.labels] + [""], dtype=object)
-        types = ctype[names.codes]
-        for t in sorted(set(types[is_comm])):
-            m = is_comm & (types == t)
-            cu = union(k["ts"][m], (k["ts"] + k["dur"])[m])
-            exposed = int(union_of(u.compute, cu).covered(lo, hi).sum()) - comp
-            out.append(ClassRatio(f"gpu: communication {t}", exposed / NS_PER_US, exposed / win))
+    for t, (_calls, _total, exposed) in exposed_by_type(rt, u, lo, hi).items():
+        out.append(ClassRatio(f"gpu: communication {t}", exposed / NS_PER_US, exposed / win))
     if len(steps):
         gaps = gpu_gaps(rt, steps, tree, u.all)
         d = gaps.dur
