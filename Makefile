@@ -39,7 +39,7 @@ demo: setup
 	@rm -rf $(DEMO_OUT)/capture
 	$(BIN)/aiprof run --skip 3 --iterations 6 --what kernels,python,memory --out $(DEMO_OUT) --capture-id capture \
 		-- $(BIN)/python examples/tiny_train.py --steps 14 --slow-step 7
-	$(BIN)/aiprof analyze $(DEMO_OUT)/capture --out $(DEMO_OUT)
+	$(BIN)/aiprof analyze $(DEMO_OUT)/capture --out $(DEMO_OUT) --html $(DEMO_OUT)/report.html
 
 test: setup browser
 	$(BIN)/python -m pytest -q
