@@ -31,6 +31,9 @@ def write(report: dict, path: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(dumps(report))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a report is an ordinary file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
