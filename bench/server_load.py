@@ -13,7 +13,6 @@ bytes match. Bounded: --deadline seconds in all; every call has a timeout.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil

@@ -47,7 +47,7 @@ from aiprof.agent.config import CaptureRequest, RequestError
 from aiprof.server.auth import TokenAuth, load_or_create_token
 from aiprof.server.client import file_sha256
 from aiprof.server.registry import Registry, new_id, plan_start, plan_start_time
-from aiprof.server.store import NAME_RE, STATE, BadName, DataDir, read_json, safe_name, safe_rank, write_json
+from aiprof.server.store import STATE, BadName, DataDir, read_json, safe_name, safe_rank, write_json
 
 MAX_JSON = 1 << 20  # request bodies other than uploads
 MAX_STACKS_JSON = 8 << 20
