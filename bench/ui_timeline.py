@@ -42,8 +42,9 @@ def synthetic_rank(n_events: int, steps: int = 100, seed: int = 0) -> RankTrace:
     tid = 100
     runtime = Table({"ts": rt_ts, "dur": rt_dur, "pid": np.full(len(rt_ts), 1), "tid": np.full(len(rt_ts), tid),
                      "name": Strings(np.zeros(len(rt_ts), np.int32), ["cudaLaunchKernel"]), "corr": corr,
-                     "ext_id": np.zeros(len(rt_ts), np.int64), "cbid": np.zeros(len(rt_ts), np.int64)})
-    ops = Table({"ts": op_ts, "dur": op_dur, "pid": np.full(n_ops, 1), "tid": np.full(n_ops, tid), "name": op_name})
+                     "ext_id": np.repeat(np.arange(n_ops, dtype=np.int64) + 1, per_op), "cbid": np.zeros(len(rt_ts), np.int64)})
+    ops = Table({"ts": op_ts, "dur": op_dur, "pid": np.full(n_ops, 1), "tid": np.full(n_ops, tid), "name": op_name,
+                 "ext_id": np.arange(n_ops, dtype=np.int64) + 1})
     # kernels: 4 streams, back to back on each, 1-40 µs
     nk = len(rt_ts)
     stream = (np.arange(nk) % 4 + 7).astype(np.int64)
@@ -55,7 +56,7 @@ def synthetic_rank(n_events: int, steps: int = 100, seed: int = 0) -> RankTrace:
     knames = [f"void kernel_{i}<float>(Params)" for i in range(300)]
     kernels = Table({"ts": kts, "dur": kdur, "device": np.zeros(nk, np.int64), "stream": stream,
                      "name": Strings(rng.integers(0, len(knames), nk).astype(np.int32), knames), "corr": corr,
-                     "cls": Strings(np.zeros(nk, np.int32), ["compute"])})
+                     "ext_id": np.repeat(np.arange(n_ops, dtype=np.int64) + 1, per_op), "cls": Strings(np.zeros(nk, np.int32), ["compute"])})
     # steps: ProfilerStep annotations over equal slices of the op range
     edges = np.linspace(op_ts[0] - 1000, op_ts[-1] + op_gap, steps + 1).astype(np.int64)
     ann = Table({"ts": edges[:-1], "dur": np.diff(edges) - 1, "pid": np.full(steps, 1), "tid": np.full(steps, tid),

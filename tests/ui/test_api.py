@@ -53,7 +53,7 @@ def test_timeline_window_is_bounded_by_pixels(client, gpt2_app):
     # zoomed into 1 ms: every event there is sent, each exactly as in the table
     t0 = lanes["start"] + 60_000_000
     z = client.get(f"/api/timeline/window?rank=0&t0={t0}&t1={t0 + 1_000_000}&px=1000").json()
-    gpu = [l for l in lanes["lanes"] if l["group"] == "gpu"][0]["id"]
+    gpu = [l for l in lanes["lanes"] if l["group"] == "gpu" and l["kind"] == "kernels / memcpy"][0]["id"]
     g = [l for l in z["lanes"] if l["id"] == gpu][0]
     k = gpt2_app.data.rank(0).kernels
     o = gpt2_app.data.origin()

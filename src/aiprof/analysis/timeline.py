@@ -4,7 +4,8 @@ window queries whose cost depends on the pixels asked for, not on the events in 
 A *lane* is one row of the timeline: a host thread at one nesting depth (Python frames, ops,
 annotations and runtime calls, nested by :func:`aiprof.analysis.hotspots.host_tree`), one GPU
 stream (kernels, memcpy, memset; the rare overlapping GPU events get an "overlap" lane, never
-a clipped duration), or the steps band. Slices in a lane do not overlap, so a lane sorted by
+a clipped duration), the GPU-side annotations of a stream (one lane per nesting depth), the sync
+events of a stream (``cuda_sync``: stream/event/context waits), or the steps band. Slices in a lane do not overlap, so a lane sorted by
 start is also sorted by (running-max) end, and a window is two binary searches.
 
 :func:`window` answers "what to draw for ``[t0, t1)`` at ``px`` pixels": in a lane with few
@@ -27,7 +28,7 @@ from aiprof.analysis.steps import find_steps
 from aiprof.flame.nesting import nest
 from aiprof.trace.store import RankTrace
 
-SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps")
+SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps", "gpu_sync")
 _TREE_KIND_TO_SOURCE = {PYTHON: 0, OP: 1, RUNTIME: 2, ANNOTATION: 3}
 # Duration levels (ns): level k holds the events with dur >= 1 µs * 4**k. A query at b ns per
 # pixel reads the level just below b, which holds at most ~4 events per pixel column.
@@ -49,6 +50,7 @@ class Lane:
     name: np.ndarray  # code into TimelineIndex.labels
     source: np.ndarray  # index into SOURCES
     row: np.ndarray  # row in the source table
+    kind: str = ""  # what the lane holds, for its label: "annotations", "kernels / memcpy", "sync"; "" = by group
     endmax: np.ndarray = field(repr=False, default=None)  # running max of end (sorted)
     cum: np.ndarray = field(repr=False, default=None)  # prefix sums of duration, len n+1
     levels: list[np.ndarray] = field(repr=False, default_factory=list)
@@ -163,32 +165,49 @@ def build_index(rt: RankTrace) -> TimelineIndex:
                 idx = idx_t[depths == d]
                 add(Lane(len(lanes), "host", label, int(d), tree.start[idx], tree.end[idx], code_map[tree.code[idx]],
                          src_of_kind[tree.kind[idx]], tree.row[idx].astype(np.int64)))
-    # GPU streams
-    parts = []
-    for s in ("kernels", "memops"):
+    # GPU streams: per (device, stream), the GPU-side annotations (nested by depth), the work
+    # (kernels, memcpy, memset; overlaps get extra lanes) and the sync events, in that order
+    groups = {"annotations": [], "work": [], "sync": []}
+    for s, g in (("kernels", "work"), ("memops", "work"), ("gpu_sync", "sync"), ("annotations", "annotations")):
         t = rt.table(s)
-        if len(t):
-            nm = t.strings("name")
-            parts.append((SOURCES.index(s), t, labels.remap(nm.labels)[nm.codes]))
-    if parts:
-        dev = np.concatenate([t["device"] for _, t, _ in parts]).astype(np.int64)
-        stream = np.concatenate([t["stream"] for _, t, _ in parts]).astype(np.int64)
-        start = np.concatenate([t["ts"] for _, t, _ in parts]).astype(np.int64)
-        end = start + np.concatenate([t["dur"] for _, t, _ in parts]).astype(np.int64)
-        name = np.concatenate([c for _, _, c in parts])
-        src = np.concatenate([np.full(len(t), si, np.int8) for si, t, _ in parts])
-        row = np.concatenate([np.arange(len(t), dtype=np.int64) for _, t, _ in parts])
-        skey = dev * (1 << 32) + stream
-        for k in np.unique(skey).tolist():
-            idx = np.nonzero(skey == k)[0]
-            d, s = int(k >> 32), int(k & 0xFFFFFFFF)
-            ns = nest(start[idx], end[idx])
+        if not len(t):
+            continue
+        if s == "annotations":  # Kineto's gpu_user_annotation: pid = device, tid = stream
+            rows = np.nonzero(t["gpu"])[0]
+            dev, stream = t["pid"][rows], t["tid"][rows]
+        else:
+            rows = np.arange(len(t))
+            dev, stream = t["device"], t["stream"]
+        if not len(rows):
+            continue
+        nm = t.strings("name")
+        groups[g].append({"dev": dev.astype(np.int64), "stream": stream.astype(np.int64),
+                          "start": t["ts"][rows].astype(np.int64), "end": (t["ts"][rows] + t["dur"][rows]).astype(np.int64),
+                          "name": labels.remap(nm.labels)[nm.codes[rows]],
+                          "src": np.full(len(rows), SOURCES.index(s), np.int8), "row": rows.astype(np.int64)})
+    cat = {g: {k: np.concatenate([p[k] for p in ps]) for k in ps[0]} for g, ps in groups.items() if ps}
+    for c in cat.values():
+        c["key"] = (c["dev"] << 32) + (c["stream"] & 0xFFFFFFFF)
+    keys = np.unique(np.concatenate([c["key"] for c in cat.values()])) if cat else np.zeros(0, np.int64)
+    for k in keys.tolist():
+        d, s = int(k >> 32), int(k & 0xFFFFFFFF)
+        s = s - (1 << 32) if s >= 1 << 31 else s  # stream -1 (unknown) stays -1
+        for g, kind in (("annotations", "annotations"), ("work", "kernels / memcpy"), ("sync", "sync")):
+            c = cat.get(g)
+            if c is None:
+                continue
+            idx = np.nonzero(c["key"] == k)[0]
+            if not len(idx):
+                continue
+            ns = nest(c["start"][idx], c["end"][idx])
             o = idx[ns.order]
             for lane_d in np.unique(ns.depth).tolist():
-                m = ns.depth == lane_d
-                oo = o[m]
-                track = f"GPU {d} stream {s}" + (f" (overlap {lane_d})" if lane_d else "")
-                add(Lane(len(lanes), "gpu", track, 0, start[oo], end[oo], name[oo], src[oo], row[oo]))
+                oo = o[ns.depth == lane_d]
+                track = f"GPU {d} stream {s}" + ("" if g == "work" else f" {kind}")
+                if g == "work" and lane_d:
+                    track += f" (overlap {lane_d})"
+                add(Lane(len(lanes), "gpu", track, int(lane_d) if g == "annotations" else 0, c["start"][oo],
+                         c["end"][oo], c["name"][oo], c["src"][oo], c["row"][oo], kind=kind))
     lo = min((int(l.start[0]) for l in lanes if len(l)), default=0)
     hi = max((int(l.endmax[-1]) for l in lanes if len(l)), default=lo + 1)
     tl = TimelineIndex(rt.rank, lanes, labels.list(), lo, max(hi, lo + 1), where, tree)
@@ -198,7 +217,8 @@ def build_index(rt: RankTrace) -> TimelineIndex:
 
 def lanes_info(tl: TimelineIndex) -> list[dict]:
     """The lanes (without their events), in display order."""
-    return [{"id": l.id, "group": l.group, "track": l.track, "depth": l.depth, "events": len(l)} for l in tl.lanes]
+    return [{"id": l.id, "group": l.group, "track": l.track, "depth": l.depth, "kind": l.kind, "events": len(l)}
+            for l in tl.lanes]
 
 
 def window(tl: TimelineIndex, t0: int, t1: int, px: int, lane_ids: list[int] | None = None,
@@ -315,7 +335,7 @@ def event_detail(rt: RankTrace, tl: TimelineIndex, source: str, row: int) -> dic
     out: dict = {"ref": _ref(tl, source, row), "args": _row_dict(rt, source, row)}
     tree = tl.tree if tl.tree is not None else host_tree(rt)
     node = -1
-    if source in ("kernels", "memops"):
+    if source in ("kernels", "memops", "gpu_sync"):
         lr = int(launch_rows(rt.runtime, t.take(np.array([row])))[0])
         if lr >= 0:
             out["launch"] = _ref(tl, "runtime", lr)
@@ -324,6 +344,8 @@ def event_detail(rt: RankTrace, tl: TimelineIndex, source: str, row: int) -> dic
                 op = int(tree.nearest(np.array([node]), OP)[0])
                 if op >= 0:
                     out["op"] = _ref(tl, "ops", int(tree.row[op]))
+    elif source == "annotations" and bool(t["gpu"][row]):
+        pass  # a GPU-side annotation: no host call tree node
     elif len(tree):
         kind = {"python": PYTHON, "ops": OP, "runtime": RUNTIME, "annotations": ANNOTATION}[source]
         hit = np.nonzero((tree.kind == kind) & (tree.row == row))[0]
@@ -331,7 +353,7 @@ def event_detail(rt: RankTrace, tl: TimelineIndex, source: str, row: int) -> dic
         if source == "runtime" and "corr" in t.columns:
             corr = int(t["corr"][row])
             launched = []
-            for g in ("kernels", "memops"):
+            for g in ("kernels", "memops", "gpu_sync"):
                 gt = rt.table(g)
                 if len(gt) and "corr" in gt.columns:
                     for r in np.nonzero(gt["corr"] == corr)[0][:20].tolist():

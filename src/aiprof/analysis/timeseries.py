@@ -85,6 +85,46 @@ def load_hw(rt: RankTrace) -> HwSamples | None:
     return out
 
 
+HW_CPU_SYSTEM = "cpu_util_pct"  # all CPUs busy since the previous sample (psutil), %
+HW_CPU_PROCESS = "proc_cpu_pct"  # this process's CPU time since the previous sample, % of one CPU
+
+
+def interval_mean(ts: np.ndarray, values: np.ndarray, lo: int, hi: int) -> tuple[float | None, int]:
+    """Time-weighted mean over ``[lo, hi)`` of a rate sampled as "average since the previous
+    sample" (sample ``i`` covers ``(ts[i-1], ts[i]]``; the first sample covers nothing known and
+    is skipped). Returns ``(mean, covered_ns)``; mean is None when no interval overlaps."""
+    ts, values = np.asarray(ts, np.int64), np.asarray(values, np.float64)
+    if len(ts) < 2 or hi <= lo:
+        return None, 0
+    a, b = np.maximum(ts[:-1], lo), np.minimum(ts[1:], hi)
+    w = np.maximum(b - a, 0).astype(np.float64)
+    covered = float(w.sum())
+    if covered <= 0:
+        return None, 0
+    return float((w * values[1:]).sum() / covered), int(covered)
+
+
+def cpu_active_idle(hw: HwSamples | None, lo: int, hi: int) -> dict | None:
+    """CPU active vs idle over the capture window ``[lo, hi)``: the time-weighted means of the
+    host's system CPU utilisation (``cpu_util_pct``: all CPUs, %) and of the process's CPU use
+    (``proc_cpu_pct``: % of one CPU, can exceed 100), from the agent's host samples. None when
+    the capture has no host CPU samples covering the window."""
+    if hw is None:
+        return None
+    sysm = [(d, v) for (d, m), v in sorted(hw.series.items()) if m == HW_CPU_SYSTEM]
+    if not sysm:
+        return None
+    dev, (ts, v) = sysm[0]
+    active, covered = interval_mean(ts, v, lo, hi)
+    if active is None:
+        return None
+    active = min(max(active, 0.0), 100.0)
+    proc = hw.series.get((dev, HW_CPU_PROCESS))
+    proc_mean = interval_mean(proc[0], proc[1], lo, hi)[0] if proc is not None else None
+    return {"device": dev, "window_ns": [int(lo), int(hi)], "covered_ns": covered, "samples": int(len(ts)),
+            "active_pct": active, "idle_pct": 100.0 - active, "process_cpu_pct": proc_mean}
+
+
 def downsample(ts: np.ndarray, values: np.ndarray, t0: int, t1: int, px: int, how: str = "max") -> dict:
     """A counter over ``[t0, t1)`` reduced to at most ``px`` points (max, or mean, per column),
     plus the value in force at ``t0`` so a step line starts at the left edge."""

@@ -113,8 +113,16 @@ class CaptureData:
         hw_series = {}
         if hw is not None:
             for (dev, metric), (ts, v) in hw.series.items():
-                if metric == HW_GPU_UTIL or metric in HW_CPU:
+                if metric in HW_CPU:
                     hw_series.setdefault(metric, []).append({"device": dev, "ts": ts.tolist(), "value": v.tolist()})
+        # NVML utilisation of every rank's GPU (each rank samples its own), so the panel shows every GPU
+        gpu_hw = []
+        for other in self.capture.ranks:
+            ohw = timeseries.load_hw(other)
+            for (dev, metric), (ts, v) in sorted(ohw.series.items()) if ohw is not None else ():
+                if metric == HW_GPU_UTIL:
+                    gpu_hw.append({"rank": other.rank, "host": other.meta.get("host_name", "") or "host", "device": dev,
+                                   "ts": ts.tolist(), "value": v.tolist()})
         return {
             "rank": rt.rank, "device": rr["device"], "host": rr["host"], "step_source": rr["step_source"],
             "window": rr["window"], "summary": s,
@@ -123,8 +131,9 @@ class CaptureData:
             "gpu": {"busy_us": s.get("duration_us", 0.0) - s.get("idle_us", 0.0), "idle_us": s.get("idle_us", 0.0),
                     "busy_pct": s.get("gpu_busy_pct", 0.0)},
             "gpu_util": util,
-            "hw": {"file": hw.path if hw else None, "gpu_util": hw_series.get(HW_GPU_UTIL, []),
-                   "cpu": [dict(x, metric=m) for m in HW_CPU for x in hw_series.get(m, [])]},
+            "hw": {"file": hw.path if hw else None, "gpu_util": gpu_hw,
+                   "cpu": [dict(x, metric=m) for m in HW_CPU for x in hw_series.get(m, [])],
+                   "cpu_active": timeseries.cpu_active_idle(hw, rr["window"]["start_ns"], rr["window"]["end_ns"])},
             "kernels": {"total_us": act["kernels"]["time_us"], "launches": act["kernels"]["count"],
                         "distinct": len(stats), "top": [asdict(x) for x in stats[:k]], "k": k},
             "step_hist": timeseries.histogram([st["duration_us"] for st in rr["steps"]], bins=10),
@@ -210,7 +219,8 @@ class CaptureData:
                     for k in timeseries.memory_counters(rt)]
         hw = timeseries.load_hw(rt)
         if hw is not None:
-            counters += [{"id": f"hw:{d}:{m}", "name": f"{d} {m}", "unit": ""} for d, m in sorted(hw.series)]
+            counters += [{"id": f"hw:{d}:{m}", "name": f"{d} {m}", "unit": "bytes" if m.endswith("_bytes") else ""}
+                         for d, m in sorted(hw.series)]
         return {"rank": rt.rank, "origin_ns": o, "start": tl.start_ns - o, "end": tl.end_ns - o,
                 "events": tl.events, "lanes": timeline.lanes_info(tl), "counters": counters,
                 "hw": hw.path if hw else None, "sources": list(timeline.SOURCES)}

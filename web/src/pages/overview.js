@@ -59,15 +59,32 @@ export default async function overview(root, { rank }) {
     { name: 'active', value: d.gpu.busy_us, itemStyle: { color: PALETTE.busy } },
     { name: 'idle', value: d.gpu.idle_us, itemStyle: { color: PALETTE.idle } }]);
 
+  // CPU active vs idle: time-weighted means over the capture window, computed by
+  // analysis.timeseries.cpu_active_idle from the agent's host samples
+  const ca = d.hw.cpu_active;
+  if (ca) {
+    const win = (ca.window_ns[1] - ca.window_ns[0]) / 1e6, cov = ca.covered_ns / 1e6;
+    pie(panel(grid, 'cpu-active', 'CPU active vs idle (host, all CPUs)',
+      `time-weighted mean over the capture window (${cov.toFixed(0)} of ${win.toFixed(0)} ms covered by samples)` +
+      (ca.process_cpu_pct != null ? ` · this process: <b id="cpu-proc">${ca.process_cpu_pct.toFixed(1)} %</b> of one CPU` : '')),
+    'cpu-active', [
+      { name: 'active', value: ca.active_pct, itemStyle: { color: PALETTE.busy } },
+      { name: 'idle', value: ca.idle_pct, itemStyle: { color: PALETTE.idle } }], (v) => `${v.toFixed(1)} %`);
+  } else {
+    grid.appendChild(h('<section class="panel" id="p-cpu-active"><h3>CPU active vs idle</h3><div class="empty" id="cpu-active-none">CPU activity was not captured (no host samples in <code>hw.csv</code> for this rank). Capture with <code>aiprof run --what kernels,hw</code> to record it.</div></section>'));
+  }
+
   // GPU utilisation over time: exact busy share from the trace per rank (grouped by node), and
   // the sampled NVML utilisation per GPU when the capture has hw.csv.
   const hasHw = d.hw.gpu_util.length > 0;
   const elU = panel(grid, 'gpu-util', 'GPU utilisation over time',
-    (hasHw ? 'trace: busy share per bin · NVML: sampled per GPU' : 'busy share per bin, from the trace. <b class="nohw">No hardware samples (hw.csv) in this capture</b>: per-GPU NVML utilisation is shown only for captures made with <code>aiprof run/attach</code>.'));
+    (hasHw ? 'trace: busy share per bin, per rank by node · NVML: sampled per GPU'
+      : d.hw.file ? 'busy share per bin, from the trace. <b class="nohw">No GPU samples in this capture\'s hw.csv</b> (NVML was not available where it ran).'
+        : 'busy share per bin, from the trace. <b class="nohw">No hardware samples (hw.csv) in this capture</b>: per-GPU NVML utilisation is shown only for captures made with <code>aiprof run/attach</code>.'));
   const o = d.window.start_ns;
-  const series = d.gpu_util.map((u) => ({ name: `${u.host} rank ${u.rank} (trace)`, type: 'line', showSymbol: false, step: 'end',
+  const series = d.gpu_util.map((u) => ({ name: `${u.host} rank ${u.rank} (trace)`, type: 'line', showSymbol: false, step: 'end', // a bin's value holds from its start
     data: u.busy_pct.map((v, i) => [(u.start_ns - o + i * u.bin_ns) / 1e6, v]) }));
-  for (const x of d.hw.gpu_util) series.push({ name: `${x.device} (NVML)`, type: 'line', showSymbol: false, lineStyle: { type: 'dashed' },
+  for (const x of d.hw.gpu_util) series.push({ name: `${x.host} rank ${x.rank} ${x.device} (NVML)`, type: 'line', showSymbol: false, step: 'start', lineStyle: { type: 'dashed' },
     data: x.ts.map((t, i) => [(t - o) / 1e6, x.value[i]]) });
   chart(elU, 'gpu-util', { tooltip: { trigger: 'axis' }, legend: { bottom: 0, type: 'scroll' },
     grid: { left: 45, right: 15, top: 10, bottom: 50 },
@@ -77,10 +94,10 @@ export default async function overview(root, { rank }) {
   if (d.hw.cpu.length) {
     chart(elC, 'cpu', { tooltip: { trigger: 'axis' }, legend: { bottom: 0 }, grid: { left: 45, right: 15, top: 10, bottom: 50 },
       xAxis: { type: 'value', name: 'ms' }, yAxis: { type: 'value', name: '%' },
-      series: d.hw.cpu.map((x) => ({ name: `${x.device} ${x.metric}`, type: 'line', showSymbol: false,
+      series: d.hw.cpu.map((x) => ({ name: `${d.host || x.device} ${x.metric}`, type: 'line', showSymbol: false, step: 'start', // a sample covers the period before it
         data: x.ts.map((t, i) => [(t - o) / 1e6, x.value[i]]) })) });
   } else {
-    elC.replaceWith(h('<div class="empty">CPU utilisation was not captured (no <code>hw.csv</code> beside this trace). Capture with <code>aiprof run</code> to record it.</div>'));
+    elC.replaceWith(h('<div class="empty" id="cpu-none">CPU utilisation was not captured (no <code>hw.csv</code> beside this trace). Capture with <code>aiprof run</code> to record it.</div>'));
   }
 
   // top-k kernels by time and by launches (k adjustable)

@@ -6,7 +6,7 @@ import { api } from '../api.js';
 import { esc, ns, us, bytes, short, h } from '../fmt.js';
 
 const LEFT = 230, RULER = 22, ROW = 14, GAP = 1, HEAD = 16, COUNTER = 34;
-const SRC_HUE = { python: 95, ops: 200, runtime: 20, annotations: 280, kernels: 215, memops: 140, steps: 0 };
+const SRC_HUE = { python: 95, ops: 200, runtime: 20, annotations: 280, kernels: 215, memops: 140, steps: 0, gpu_sync: 355 };
 
 function hashHue(s) { let x = 0; for (let i = 0; i < s.length; i++) x = (x * 31 + s.charCodeAt(i)) | 0; return Math.abs(x) % 360; }
 function color(name, source) {
@@ -47,7 +47,7 @@ export default async function timeline(root, { rank, params }) {
   const laneRow = new Map(rows.filter((r) => r.lane).map((r) => [r.lane.id, r]));
 
   const S = { t0: +(params.get('t0') ?? L.start), t1: +(params.get('t1') ?? L.end), data: null, counters: {}, sel: null, detail: null,
-    fetches: 0, lastFetchMs: null, pending: null, mouseX: null };
+    fetches: 0, lastFetchMs: null, pending: null, mouseX: null, inputT: 0, fresh: null, lastFrame: null };
   if (!(S.t1 > S.t0)) { S.t0 = L.start; S.t1 = L.end; }
   let W = 800;
   const plotW = () => W - LEFT;
@@ -84,7 +84,7 @@ export default async function timeline(root, { rank, params }) {
         continue;
       }
       ctx.fillStyle = '#444';
-      if (r.lane) ctx.fillText(r.lane.group === 'steps' ? 'steps' : (r.lane.group === 'gpu' ? 'kernels / memcpy' : `depth ${r.lane.depth}`), 10, r.y + r.hgt / 2);
+      if (r.lane) ctx.fillText(r.lane.group === 'steps' ? 'steps' : (r.lane.group === 'gpu' ? (r.lane.kind === 'annotations' ? `annotations ${r.lane.depth}` : r.lane.kind) : `depth ${r.lane.depth}`), 10, r.y + r.hgt / 2);
       ctx.save(); ctx.beginPath(); ctx.rect(LEFT, r.y, plotW(), r.hgt); ctx.clip();
       if (r.counter) drawCounter(r);
       const e = r.lane && byLane.get(r.lane.id);
@@ -159,7 +159,12 @@ export default async function timeline(root, { rank, params }) {
   }
 
   let frame = 0;
-  const redraw = () => { if (!frame) frame = requestAnimationFrame(() => { frame = 0; draw(); labelCounters(); }); };
+  // S.lastFrame: when the first redraw with a newly fetched window finished, and since which input
+  // (performance.now() ms) -- read by bench/ui_timeline_browser.py; one small object per fetch.
+  const redraw = () => { if (!frame) frame = requestAnimationFrame(() => {
+    frame = 0; draw(); labelCounters();
+    if (S.fresh) { S.lastFrame = { ...S.fresh, done: performance.now() }; S.fresh = null; }
+  }); };
 
   let timer = null, ctrl = null;
   function fetchWindow() {
@@ -168,7 +173,7 @@ export default async function timeline(root, { rank, params }) {
       if (ctrl) ctrl.abort();
       ctrl = new AbortController();
       const px = Math.round(plotW()), t0 = Math.floor(S.t0), t1 = Math.ceil(S.t1);
-      const t = performance.now();
+      const t = performance.now(), inputT = S.inputT;
       const p = Promise.all([api('timeline/window', { rank, t0, t1, px }, ctrl.signal),
         L.counters.length ? api('timeline/counters', { rank, t0, t1, px }, ctrl.signal) : Promise.resolve({ counters: {} })]);
       S.pending = p;
@@ -177,6 +182,7 @@ export default async function timeline(root, { rank, params }) {
         S.data = w; S.counters = c.counters; S.fetches++;
         S.lastFetchMs = performance.now() - t;
         const n = w.lanes.reduce((a, e) => a + e.events.start.length, 0);
+        S.fresh = { seq: S.fetches, input: inputT, fetched: performance.now(), t0, t1, events: n };
         status.textContent = `${ns(t1 - t0)} visible · ${n} events drawn${w.truncated ? ' (truncated)' : ''} · ${S.lastFetchMs.toFixed(0)} ms`;
         redraw();
       } catch (e) { if (e.name !== 'AbortError') status.textContent = e.message; }
@@ -187,7 +193,7 @@ export default async function timeline(root, { rank, params }) {
     const minSpan = 1000, full = L.end - L.start;
     let span = Math.max(minSpan, Math.min(t1 - t0, full * 1.2));
     let mid = (t0 + t1) / 2;
-    S.t0 = mid - span / 2; S.t1 = mid + span / 2;
+    S.t0 = mid - span / 2; S.t1 = mid + span / 2; S.inputT = performance.now();
     redraw(); fetchWindow();
   };
   const zoom = (f, at) => { const t = toT(at ?? (LEFT + plotW() / 2)); setView(t - (t - S.t0) * f, t + (S.t1 - t) * f); };
@@ -236,7 +242,7 @@ export default async function timeline(root, { rank, params }) {
     if (!drag) return;
     const dx = e.clientX - drag.x; if (Math.abs(dx) > 2) drag.moved = true;
     const dt = (dx / plotW()) * (drag.t1 - drag.t0);
-    S.t0 = drag.t0 - dt; S.t1 = drag.t1 - dt; redraw(); fetchWindow();
+    S.t0 = drag.t0 - dt; S.t1 = drag.t1 - dt; S.inputT = performance.now(); redraw(); fetchWindow();
   };
   window.addEventListener('mousemove', onMove);
   const up = (e) => {

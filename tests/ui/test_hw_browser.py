@@ -1,0 +1,147 @@
+"""Hardware samples in the browser: a real CPU capture (`aiprof run --what kernels,hw` over the
+tiny torch example) with host samples, served by the app and checked in headless Chromium
+against the store's ``hw`` table; the "not captured" states on a trace without samples; the
+GPU-side annotation rows of the timeline."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from aiprof.analysis import timeline, timeseries
+from tests.ui.conftest import _serve, open_page
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def cpu_hw_capture(tmp_path_factory) -> Path:
+    """A 1.5 s capture of real torch training on CPU with host samples every 50 ms."""
+    out = tmp_path_factory.mktemp("hwcap")
+    res = subprocess.run([sys.executable, "-m", "aiprof", "run", "--what", "kernels,hw", "--hw-interval-ms", "50",
+                          "--duration-ms", "1500", "--out", str(out), "--capture-id", "c", "--", sys.executable,
+                          str(ROOT / "examples" / "tiny_train.py"), "--steps", "600"],
+                         capture_output=True, text=True, timeout=180)
+    cap = out / "c"
+    assert (cap / "rank0" / "hw.csv").is_file(), f"no hw.csv: rc={res.returncode}\n{res.stderr[-2000:]}"
+    return cap
+
+
+@pytest.fixture(scope="session")
+def hw_app(cpu_hw_capture):
+    server, th, s = _serve([cpu_hw_capture])
+    yield s
+    server.should_exit = True
+    th.join(10)
+
+
+def _option(page, name):
+    return page.evaluate(f"() => window.__aiprof.charts[{name!r}].getOption()")
+
+
+def _weighted_mean(ts: np.ndarray, v: np.ndarray, lo: int, hi: int) -> float:
+    """Independent check of analysis.timeseries.interval_mean: sample i covers (ts[i-1], ts[i]]."""
+    num = den = 0.0
+    for i in range(1, len(ts)):
+        w = max(0, min(int(ts[i]), hi) - max(int(ts[i - 1]), lo))
+        num += w * float(v[i])
+        den += w
+    return num / den
+
+
+def test_cpu_panels_show_the_hw_table(page, hw_app):
+    rt = hw_app.data.capture.ranks[0]
+    h = rt.hw
+    metric = np.asarray(h["metric"])
+    sel = metric == "cpu_util_pct"
+    ts, val = h["ts"][sel], h["value"][sel]
+    assert len(ts) >= 10  # 1.5 s at 50 ms
+    w = hw_app.report["ranks"][0]["window"]
+    open_page(page, hw_app.url, "overview")
+    # CPU active vs idle: the analysis' time-weighted mean over the window, from the hw table
+    pie = {d["name"]: d["value"] for d in _option(page, "cpu-active")["series"][0]["data"]}
+    expect = _weighted_mean(ts, val, w["start_ns"], w["end_ns"])
+    assert pie["active"] == pytest.approx(expect) and pie["idle"] == pytest.approx(100 - expect)
+    psel = metric == "proc_cpu_pct"
+    proc = _weighted_mean(h["ts"][psel], h["value"][psel], w["start_ns"], w["end_ns"])
+    assert page.inner_text("#cpu-proc") == f"{proc:.1f} %"
+    assert expect > 20  # a training loop keeps the CPU busy
+    # CPU utilisation over time: every sample, at its time after the window start
+    series = {s["name"]: s["data"] for s in _option(page, "cpu")["series"]}
+    cpu = series[next(n for n in series if n.endswith("cpu_util_pct"))]
+    assert [p[1] for p in cpu] == pytest.approx(val.tolist())
+    assert [p[0] for p in cpu] == pytest.approx(((ts - w["start_ns"]) / 1e6).tolist())
+    assert "No GPU samples" in page.inner_text("#p-gpu-util")  # CPU machine: no NVML, and the page says so
+    # Timeline: the hardware counter tracks hold the samples (at full view every sample is a column)
+    open_page(page, hw_app.url, "timeline")
+    assert page.locator("#tl-nohw").count() == 0
+    c = page.evaluate("() => window.__aiprof.timeline.S.counters['hw:host:cpu_util_pct']")
+    o = hw_app.data.origin()
+    t0, t1 = page.evaluate("() => [window.__aiprof.timeline.S.data.t0, window.__aiprof.timeline.S.data.t1]")
+    inside = (ts >= t0 + o) & (ts < t1 + o)
+    assert c["value"] == pytest.approx(val[inside].tolist())
+    assert c["ts"] == [int(t) - o for t in ts[inside]]
+    names = page.evaluate("() => window.__aiprof.timeline.L.counters.map(c => c.name)")
+    assert {"host cpu_util_pct", "host proc_cpu_pct", "host mem_used_bytes", "host proc_rss_bytes"} <= set(names)
+
+
+def test_not_captured_without_samples(page, gpt2_app):
+    open_page(page, gpt2_app.url, "overview")
+    assert "not captured" in page.inner_text("#cpu-active-none")
+    assert "not captured" in page.inner_text("#cpu-none")
+    assert "cpu-active" not in page.evaluate("() => Object.keys(window.__aiprof.charts)")
+
+
+def test_gpu_annotation_rows_on_the_timeline(page, ddp_app):
+    rt = ddp_app.data.capture.ranks[0]
+    a = rt.annotations
+    gpu_rows = np.nonzero(a["gpu"])[0]
+    open_page(page, ddp_app.url, "timeline")
+    lanes = page.evaluate("() => window.__aiprof.timeline.L.lanes")
+    ann = [ln for ln in lanes if ln["kind"] == "annotations"]
+    assert sum(ln["events"] for ln in ann) == len(gpu_rows)  # every GPU-side annotation has a row
+    assert {ln["track"] for ln in ann} == {"GPU 0 stream 7 annotations", "GPU 0 stream 17 annotations"}
+    drawn = page.evaluate("""() => { const S = window.__aiprof.timeline.S, ids = new Set(%s);
+        return S.data.lanes.filter(e => ids.has(e.id)).flatMap(e => e.events.name.map(c => S.data.names[c])); }"""
+                          % [ln["id"] for ln in ann])
+    assert "nccl:all_reduce" in drawn
+    # selecting one: its fields, no host stack (it runs on the GPU)
+    r = int(gpu_rows[np.asarray(a["name"])[gpu_rows] == "nccl:all_reduce"][0])
+    d = page.evaluate(f"() => window.__aiprof.timeline.select('annotations', {r})")
+    assert d["ref"]["name"] == "nccl:all_reduce" and d["args"]["gpu"] is True and "stack" not in d
+    assert page.inner_text("#tl-sel-name") == "nccl:all_reduce"
+
+
+def test_gpu_sync_rows_in_the_index(gpt2_stall):
+    """The fixtures have no cuda_sync events: add two to a real trace's tables and check that
+    they get a sync row on their stream, linked to the host call with the same correlation id."""
+    from aiprof.trace.store import open_capture
+    from aiprof.trace.table import Strings, Table
+
+    rt = open_capture([str(gpt2_stall)]).ranks[0]
+    k = rt.kernels
+    rt.__dict__.pop("_analysis_cache", None)
+    i = int(np.argmax(k["dur"]))
+    sync = Table({"ts": np.array([k["ts"][i] - 1000, k["ts"][i] + 50_000], np.int64),
+                  "dur": np.array([800, 20_000], np.int64), "device": np.array([k["device"][i]] * 2, np.int64),
+                  "stream": np.array([k["stream"][i]] * 2, np.int64),
+                  "name": Strings(np.array([0, 1], np.int32), ["Stream Sync", "Event Sync"]),
+                  "corr": np.array([k["corr"][i], -1], np.int64), "ext_id": np.full(2, -1, np.int64),
+                  "pid": np.zeros(2, np.int64), "tid": np.zeros(2, np.int64),
+                  "wait_stream": np.full(2, -1, np.int64), "wait_corr": np.full(2, -1, np.int64)})
+    rt._tables["gpu_sync"] = sync
+    tl = timeline.build_index(rt)
+    info = timeline.lanes_info(tl)
+    sync_lanes = [ln for ln in info if ln["kind"] == "sync"]
+    assert len(sync_lanes) == 1 and sync_lanes[0]["events"] == 2
+    assert sync_lanes[0]["track"] == f"GPU {k['device'][i]} stream {k['stream'][i]} sync"
+    # the sync row sits right after its stream's kernel row
+    work = next(ln for ln in info if ln["track"] == f"GPU {k['device'][i]} stream {k['stream'][i]}")
+    assert sync_lanes[0]["id"] == work["id"] + 1
+    d = timeline.event_detail(rt, tl, "gpu_sync", 0)
+    assert d["ref"]["name"] == "Stream Sync" and d["ref"]["source"] == "gpu_sync"
+    assert d.get("launch")  # same correlation id as the kernel's launch call
+    assert timeseries.gpu_activity(rt)["sync"]["count"] == 2
