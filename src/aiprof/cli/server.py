@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 
 from aiprof.errors import AiprofError, UsageError
 
@@ -34,12 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the 'ui' extra)
 
         from aiprof.server.service import create_service
     except ModuleNotFoundError as exc:
         raise AiprofError(f"the server needs the 'ui' extra ({exc.name} is missing): pip install 'aiprof[ui]'") from None
-    from aiprof.cli.ui import _check_bind
+    from aiprof.cli.ui import _check_bind, serve_app
     from aiprof.server.auth import default_data_dir
     from aiprof.server.store import write_json
 
@@ -54,33 +53,18 @@ def run(args: argparse.Namespace) -> int:
         raise AiprofError(f"--data {data}: {exc.strerror}") from None
     _check_bind(args.host, args.port)
     app, svc = create_service(data, args.max_file_mb, args.heartbeat_s, args.public_url)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_keep_alive=30, backlog=4096)
-    server = uvicorn.Server(config)
 
-    def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            threading.Event().wait(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "", "::") else args.host
-        url = f"http://{host}:{port}"
+    def announce(url: str) -> None:
         write_json(os.path.join(data, "server.json"), {"url": url, "pid": os.getpid(), "data": data})
         print(f"aiprof server: {url}/  data {data}  (token in {os.path.join(data, 'token')}; "
               f"a browser logs in once with {url}/?token=<token>)", flush=True)
 
-    threading.Thread(target=announce, daemon=True).start()
     try:
-        server.run()
-    except (OSError, SystemExit) as exc:
-        raise AiprofError(f"cannot serve on {args.host}:{args.port}: {getattr(exc, 'strerror', None) or 'bind failed'}") from None
+        serve_app(app, args.host, args.port, announce, timeout_keep_alive=30, backlog=4096)
     finally:
         try:
             os.unlink(os.path.join(data, "server.json"))
         except OSError:
             pass
-    if not server.started:
-        raise AiprofError(f"cannot serve on {args.host}:{args.port} (address in use?)")
     print(json.dumps({"stopped": True, **svc.stats}), file=sys.stderr)
     return 0

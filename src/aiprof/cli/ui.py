@@ -5,6 +5,7 @@ import argparse
 import os
 import sys
 import threading
+from typing import Any, Callable
 
 from aiprof.errors import AiprofError, UsageError
 
@@ -41,9 +42,38 @@ def _check_bind(host: str, port: int) -> None:
             raise AiprofError(f"cannot serve on {host}:{port}: {exc.strerror}") from None
 
 
+def serve_app(app: Any, host: str, port: int, on_started: Callable[[str], None], **uvicorn_kw: Any) -> None:
+    """Serve ``app`` with uvicorn until Ctrl-C; ``on_started(url)`` runs once it listens.
+
+    ``url`` is ``http://HOST:PORT`` with the port actually bound (``--port 0``) and 127.0.0.1
+    for a wildcard address. One line (AiprofError) when it cannot bind.
+    """
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           **uvicorn_kw))
+
+    def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            threading.Event().wait(0.05)
+        bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+        shown = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        on_started(f"http://{shown}:{bound}")
+
+    threading.Thread(target=announce, daemon=True).start()
+    try:
+        server.run()
+    except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind
+        raise AiprofError(f"cannot serve on {host}:{port}: {getattr(exc, 'strerror', None) or 'bind failed'}") from None
+    if not server.started:
+        raise AiprofError(f"cannot serve on {host}:{port} (address in use?)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (the 'ui' extra)
 
         from aiprof.server.app import create_app, static_built
     except ModuleNotFoundError as exc:
@@ -62,28 +92,13 @@ def run(args: argparse.Namespace) -> int:
         print("aiprof: warning: the UI's front end is not built (run `make setup`); only /api works", file=sys.stderr)
     # analyse in the background so the first page is quick; requests wait on the same memo
     threading.Thread(target=data.report, daemon=True).start()
-    config = uvicorn.Config(create_app(data), host=args.host, port=args.port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
 
-    def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            threading.Event().wait(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1] if server.servers else args.port
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
-        url = f"http://{host}:{port}/"
-        print(f"aiprof ui: serving {len(cap.ranks)} rank(s) on {url}  (Ctrl-C stops)", flush=True)
+    def announce(url: str) -> None:
+        print(f"aiprof ui: serving {len(cap.ranks)} rank(s) on {url}/  (Ctrl-C stops)", flush=True)
         if args.open:
             import webbrowser
 
-            webbrowser.open(url)
+            webbrowser.open(url + "/")
 
-    threading.Thread(target=announce, daemon=True).start()
-    try:
-        server.run()
-    except (OSError, SystemExit) as exc:  # uvicorn exits when it cannot bind
-        raise AiprofError(f"cannot serve on {args.host}:{args.port}: {getattr(exc, 'strerror', None) or 'bind failed'}") from None
-    if not server.started:
-        raise AiprofError(f"cannot serve on {args.host}:{args.port} (address in use?)")
+    serve_app(create_app(data), args.host, args.port, announce)
     return 0

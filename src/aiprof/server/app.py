@@ -14,12 +14,13 @@ import msgspec
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from aiprof.errors import AiprofError
 from aiprof.server.data import BadRequest, CaptureData
+from aiprof.server.jsonapi import api_not_found, error_response
 
 STATIC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 
@@ -89,9 +90,9 @@ def create_app(data: CaptureData) -> Starlette:
             try:
                 return FastJSON(fn(req))
             except BadRequest as exc:
-                return JSONResponse({"error": str(exc)}, status_code=exc.status)
+                return error_response(str(exc), exc.status)
             except AiprofError as exc:
-                return JSONResponse({"error": str(exc)}, status_code=422)
+                return error_response(str(exc), 422)
         return endpoint
 
     rank = lambda q: _arg(q, "rank", int, None)  # noqa: E731
@@ -117,7 +118,7 @@ def create_app(data: CaptureData) -> Starlette:
         Route("/api/memory", api(lambda q: data.memory(rank(q), _arg(q, "px", int, 1200)))),
         Route("/flame.html", _flame(data)),
         Route("/", _index),
-        Route("/api/{rest:path}", lambda q: JSONResponse({"error": "no such endpoint"}, status_code=404)),
+        Route("/api/{rest:path}", api_not_found),
     ]
     if os.path.isdir(os.path.join(STATIC_DIR, "assets")):
         routes.append(Mount("/assets", StaticFiles(directory=os.path.join(STATIC_DIR, "assets")), name="assets"))
@@ -150,5 +151,5 @@ def _flame(data: CaptureData) -> Callable:
                 title=f"aiprof flame graph · rank {rt.rank}" + ("" if step is None else f" · step {step}")))
             return HTMLResponse(html)
         except BadRequest as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
+            return error_response(str(exc), exc.status)
     return endpoint

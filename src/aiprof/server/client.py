@@ -14,6 +14,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import socket
 import time
 import urllib.parse
@@ -24,6 +25,13 @@ API = "/api/v1"
 TOKEN_HEADER = "Authorization"
 DEFAULT_TIMEOUT_S = 10.0
 UPLOAD_BLOCK = 1 << 20
+# capture ids, job ids, file names: what the server accepts (server/store.py) and the agent sends
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def is_plain_name(name: object) -> bool:
+    """True for a name the server accepts: letters, digits, '.', '_', '-', at most 128, no '..'."""
+    return isinstance(name, str) and bool(NAME_RE.match(name)) and ".." not in name
 
 
 class ServerError(Exception):

@@ -27,7 +27,8 @@ import tempfile
 import threading
 from typing import Any
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+from aiprof.server.client import NAME_RE, is_plain_name
+
 MAX_RANK = 1 << 20
 STATE = ".state.json"
 PART_DIR = ".uploads"
@@ -39,7 +40,7 @@ class BadName(ValueError):
 
 def safe_name(name: str, what: str = "name") -> str:
     """``name`` if it is a plain name (letters, digits, . _ -; no '..', no '/'), else BadName."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+    if not is_plain_name(name):
         raise BadName(f"bad {what} {name!r}: use letters, digits, '.', '_' and '-' (at most 128)")
     return name
 

@@ -1,0 +1,134 @@
+"""Captures from ``capturing`` to ``analysed``: completion of uploads, then one analysis at a time.
+
+A capture is ``uploaded`` once every expected rank's meta.json arrived or reported a failure
+(or at its deadline, with what arrived); with ``auto_analyze`` the analysis follows. Analysis
+runs ``aiprof analyze`` in a child process, one at a time: the event loop never holds the GIL
+for seconds, and a crash in analysis cannot take the server down.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import Callable
+
+from aiprof.server.context import ServiceContext
+from aiprof.server.store import read_json
+
+ANALYSIS_TIMEOUT_S = 1800
+
+
+class AnalysisQueue:
+    """Watches captures still waiting for ranks and runs their analyses (one child at a time)."""
+
+    def __init__(self, ctx: ServiceContext, on_analysed: Callable[[str], None]) -> None:
+        self.ctx = ctx
+        self.data = ctx.data
+        self.on_analysed = on_analysed  # e.g. drop a UI app that shows the old report
+        self.analysing: set[str] = set()
+        # captures still waiting for ranks: the ticker looks at these only, not at every capture ever stored
+        self.active: set[str] = set()
+        self.sem: asyncio.Semaphore | None = None
+
+    def start(self) -> None:
+        """On the event loop, at server start: queue what a restart interrupted."""
+        self.sem = asyncio.Semaphore(1)
+        for cid in self.data.capture_ids():
+            st = self.data.load_capture(cid) or {}
+            if st.get("state") == "capturing":
+                self.active.add(cid)
+            if st.get("state") == "analysing" or (st.get("state") == "uploaded" and st.get("auto_analyze")):
+                self.start_analysis(cid)
+
+    def tick(self) -> None:
+        for cid in sorted(self.active):
+            self.check_complete(cid)
+
+    def check_complete(self, cid: str) -> None:
+        """capturing -> uploaded when every expected rank has its files or reported a failure
+        (or at the deadline, with what arrived); then the analysis starts if asked for."""
+        st = self.data.load_capture(cid)
+        if not st or st.get("state") != "capturing":
+            self.active.discard(cid)
+            return
+        ranks = self.data.uploaded_ranks(cid)
+        done = {r for r, files in ranks.items() if "meta.json" in files}
+        failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
+        expected = st.get("expected")
+        if expected is None:  # implicit capture: the world size in the ranks' meta.json
+            worlds = {int((read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {}).get("world_size") or 1)
+                      for r in done}
+            expected = list(range(max(worlds))) if worlds else None
+        complete = expected is not None and set(expected) <= done | failed
+        if not complete and time.time() < st.get("deadline", 0):
+            return
+
+        def upd(s: dict) -> None:
+            if s.get("state") != "capturing":
+                return
+            s["received"] = sorted(done)
+            s["missing"] = sorted(set(expected or []) - done)
+            s["state"] = "uploaded" if done else "failed"
+            if not done:
+                s["error"] = "no rank's capture arrived before the deadline"
+            s["steps_by_rank"] = {str(r): ((read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {})
+                                           .get("steps") or {}).get("captured") for r in sorted(done)}
+            steps = [tuple(v or ()) for v in s["steps_by_rank"].values()]
+            s["aligned"] = bool(steps) and all(x == steps[0] for x in steps)
+        st = self.data.update_capture(cid, upd)
+        self.active.discard(cid)
+        if st and st.get("state") == "uploaded" and st.get("auto_analyze"):
+            self.start_analysis(cid)
+
+    def start_analysis(self, cid: str) -> bool:
+        """Queue the analysis of ``cid`` (False when it is queued or running already)."""
+        if cid in self.analysing:
+            return False
+        self.analysing.add(cid)
+        self.data.update_capture(cid, lambda s: s.update(state="analysing", analysis={"queued": time.time()}))
+        asyncio.get_running_loop().create_task(self._analyse(cid))
+        return True
+
+    async def _analyse(self, cid: str) -> None:
+        assert self.sem is not None
+        try:
+            async with self.sem:
+                files = self.data.trace_files(cid)
+                out = os.path.join(self.data.capture_dir(cid), "report")
+                os.makedirs(out, exist_ok=True)
+                t0 = time.time()
+                err = None
+                if not files:
+                    err = "no complete rank to analyse"
+                else:
+                    with open(os.path.join(out, "analyze.log"), "wb") as log:
+                        proc = await asyncio.create_subprocess_exec(
+                            sys.executable, "-m", "aiprof", "analyze", *files, "--out", out,
+                            stdout=log, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                        try:
+                            rc = await asyncio.wait_for(proc.wait(), ANALYSIS_TIMEOUT_S)
+                        except asyncio.TimeoutError:
+                            proc.kill()
+                            await proc.wait()
+                            rc = -9
+                    if rc != 0 or not os.path.isfile(os.path.join(out, "report.json")):
+                        with open(os.path.join(out, "analyze.log"), errors="replace") as f:
+                            tail = f.read()[-2000:].strip().splitlines()
+                        err = f"aiprof analyze exited {rc}: {tail[-1] if tail else ''}"
+                rep = read_json(os.path.join(out, "report.json")) if err is None else None
+                summary = None
+                if rep:
+                    summary = {"ranks": rep.get("capture", {}).get("ranks_found"),
+                               "findings": [{"code": f.get("code"), "severity": f.get("severity"), "title": f.get("title")}
+                                            for f in (rep.get("findings") or [])[:20]]}
+
+                def upd(s: dict) -> None:
+                    s["state"] = "analysed" if err is None else "failed"
+                    s["analysis"] = {"started": t0, "finished": time.time(), "error": err, "summary": summary}
+                    if err:
+                        s["error"] = err
+                self.data.update_capture(cid, upd)
+                self.on_analysed(cid)  # the next UI visit opens the fresh report
+        finally:
+            self.analysing.discard(cid)

@@ -1,0 +1,31 @@
+"""What every part of the service shares: the data folder, the token, the agent registry, limits."""
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from aiprof.server.auth import load_or_create_token
+from aiprof.server.registry import Registry
+from aiprof.server.store import DataDir
+
+DEFAULT_MAX_FILE_MB = 4096
+
+
+class ServiceContext:
+    """State shared by the route groups (agents, uploads, captures, coordination, pages)."""
+
+    def __init__(self, data_dir: str, max_file_mb: int = DEFAULT_MAX_FILE_MB, interval_s: float = 1.0,
+                 public_url: str | None = None) -> None:
+        self.data = DataDir(data_dir)
+        self.token = load_or_create_token(self.data.root)
+        self.registry = Registry(interval_s)
+        self.max_file = max_file_mb << 20
+        self.public_url = public_url
+        self.stats = {"uploads": 0, "upload_bytes": 0, "checksum_mismatch": 0}
+
+    def url(self, req: Request | None, path: str) -> str:
+        """An absolute link for answers: ``--public-url`` if set, else as the client addressed us."""
+        if self.public_url:
+            return self.public_url.rstrip("/") + path
+        if req is not None:
+            return str(req.base_url).rstrip("/") + path
+        return path
