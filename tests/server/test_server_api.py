@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import start_server
+from srvsupport import start_server
 
 from aiprof.server.client import ServerError, file_sha256
 from aiprof.server.registry import AgentInfo, plan_start

@@ -8,7 +8,8 @@ import subprocess
 import time
 
 import pytest
-from conftest import PY, SCRIPTS, kill_group, open_page, start_server
+from srvsupport import PY, SCRIPTS, kill_group, start_server
+from ui.conftest import open_page
 
 JOB = "e2e"
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 
-from conftest import PY, SCRIPTS, free_port, kill_group, start_server
+from srvsupport import PY, SCRIPTS, free_port, kill_group, start_server
 
 from aiprof.agent.uplink import job_identity
 

@@ -87,8 +87,9 @@ def slowdown(durations_s: list[float], cfg: AutoConfig) -> dict | None:
     recent = _median(durations_s[-cfg.recent_steps:])
     if base <= 0 or recent < cfg.slowdown_ratio * base:
         return None
-    return {"reason": "slowdown", "baseline_ms": round(base * 1e3, 3), "recent_ms": round(recent * 1e3, 3),
-            "ratio": round(recent / base, 3), "threshold_ratio": cfg.slowdown_ratio,
+    # scope "rank": this rank alone decided, under its own capture id (the server waits for no other)
+    return {"reason": "slowdown", "scope": "rank", "baseline_ms": round(base * 1e3, 3),
+            "recent_ms": round(recent * 1e3, 3), "ratio": round(recent / base, 3), "threshold_ratio": cfg.slowdown_ratio,
             "recent_steps_ms": [round(x * 1e3, 3) for x in durations_s[-cfg.recent_steps:]]}
 
 

@@ -95,6 +95,7 @@ class CaptureDriver:
         self.req: CaptureRequest | None = None
         self._lock = threading.Lock()
         self._callbacks: list[DoneCallback] = []
+        self._listeners: list[DoneCallback] = []  # called for every capture (the server uplink)
         self._reset()
         self.last_result: dict | None = None
         self.captures_done = 0
@@ -138,6 +139,12 @@ class CaptureDriver:
     def add_callback(self, cb: DoneCallback) -> None:
         with self._lock:
             self._callbacks.append(cb)
+
+    def add_listener(self, cb: DoneCallback) -> None:
+        """Call ``cb(result)`` after every capture from now on, whoever requested it (export thread)."""
+        with self._lock:
+            if cb not in self._listeners:
+                self._listeners.append(cb)
 
     def poll(self) -> None:
         """Called by the control thread a few times a second: timeouts and time-based captures."""
@@ -520,7 +527,7 @@ class CaptureDriver:
     def _finish(self, result: dict) -> None:
         self.last_result = result
         with self._lock:
-            cbs, self._callbacks = self._callbacks, []
+            cbs, self._callbacks = self._callbacks + self._listeners, []
         for cb in cbs:
             try:
                 cb(result)

@@ -7,9 +7,16 @@ Two daemon threads, both off the training thread:
   :class:`CaptureRequest` for the same capture driver ``aiprof trigger`` uses; ``start_at``
   from the server, or a common wall-clock start for duration captures) and ``stacks`` (all
   threads' Python stacks, for the server's hang analysis).
-- ``aiprof-upload``: uploads finished captures (streamed, SHA-256 checked, resumed) and
-  reports outcomes. Work waits in a bounded queue; failed uploads are retried with backoff
-  (up to 60 s apart) for as long as the process lives.
+- ``aiprof-upload``: uploads every capture this process finishes (whether the server, a
+  local ``aiprof trigger``, ``aiprof run --iterations`` or the auto-trigger asked for it),
+  streamed, SHA-256 checked, resumed, and reports outcomes of the server's commands. Work
+  waits in a bounded queue; failed uploads are retried with backoff (up to 60 s apart) while
+  the process lives.
+
+Each capture is marked ``.pending-upload`` on disk before its upload is queued (agent/outbox.py),
+so one whose upload did not finish while the job lived is sent by the next agent that starts
+with the same server and ``--out`` (its own rank's), or by ``aiprof upload``. At start the
+upload thread picks up those markers.
 
 If the server is unreachable the job notices nothing: calls time out after a few seconds,
 heartbeats back off, and captures stay in the local ``--out`` folder, uploaded when the
@@ -29,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from aiprof.agent import log
+from aiprof.agent import log, outbox
 from aiprof.agent.config import CaptureRequest
 
 CALL_TIMEOUT_S = 5.0
@@ -93,6 +100,8 @@ class Uplink:
         self.retry: list[tuple[float, int, tuple]] = []  # (due monotonic, attempt, task)
         self.pending = 0  # uploads queued or running
         self.uploaded: list[str] = []  # rank dirs uploaded (bounded, for status and tests)
+        # capture ids the server asked for (the latest 64, oldest first): their outcome goes back
+        self.server_captures: dict[str, None] = {}
         self.heartbeats = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -100,9 +109,8 @@ class Uplink:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        d = self.agent.driver
-        if d.state == "armed" and d.req is not None:  # the capture ``aiprof run --iterations`` armed
-            d.add_callback(self._on_done)
+        # every capture from now on, whoever asked (``aiprof run --iterations`` armed one already)
+        self.agent.driver.add_listener(self._on_done)
         for name, fn in (("aiprof-uplink", self._run), ("aiprof-upload", self._upload_loop)):
             t = threading.Thread(target=fn, name=name, daemon=True)
             t.start()
@@ -124,7 +132,8 @@ class Uplink:
                 time.sleep(0.05)
             if self.pending > 0:
                 log.warn_once("exit-uploads", f"{self.pending} capture upload(s) not finished at exit; "
-                                              f"the files stay in {self.out}")
+                                              f"they stay in {self.out}, marked {outbox.PENDING}: the next run "
+                                              f"with this server sends them, or `aiprof upload {self.out}`")
         except Exception as exc:
             log.error("uplink at exit", exc)
 
@@ -188,6 +197,9 @@ class Uplink:
         if op == "capture":
             req = CaptureRequest.from_dict({**(cmd.get("request") or {}), "out": self.out,
                                             "capture_id": cmd.get("capture_id")})
+            self.server_captures[str(req.capture_id)] = None
+            while len(self.server_captures) > 64:
+                del self.server_captures[next(iter(self.server_captures))]
             start_ns = cmd.get("start_unix_ns")
             if start_ns:  # duration mode: every rank submits at the same wall-clock instant
                 delay = max(0.0, (int(start_ns) - time.time_ns()) / 1e9)
@@ -210,7 +222,7 @@ class Uplink:
         try:
             if req.entry:
                 self.agent.set_entry(req.entry)
-            err = self.agent.driver.submit(req, self._on_done)
+            err = self.agent.driver.submit(req)  # the listener (_on_done) uploads it
             if err:
                 self._put(("result", {"capture_id": req.capture_id, "rank": self._rank(), "ok": False,
                                       "error": err, "phase": "submit"}))
@@ -218,27 +230,50 @@ class Uplink:
             log.error("server capture request", exc)
 
     def _on_done(self, result: dict) -> None:
-        """Capture driver callback (export thread): queue the outcome and the upload."""
+        """Capture driver listener (export thread), for every capture: mark it pending on disk,
+        queue its upload, and the outcome of a capture the server asked for."""
         d = result.get("dir")
         m = re.search(r"rank(\d+)$", d or "")
         rank = int(m.group(1)) if m else self._rank()
         cid = os.path.basename(os.path.dirname(d)) if d else (self.agent.driver.req.capture_id
                                                               if self.agent.driver.req else "?")
-        self._put(("result", {"capture_id": cid, "rank": rank, "ok": bool(result.get("ok")), "error": result.get("error"),
-                              "steps": result.get("steps"), "phase": "captured", "host": self.host, "pid": os.getpid()}))
+        if cid in self.server_captures:  # the server knows no other capture id (404 otherwise)
+            self._put(("result", {"capture_id": cid, "rank": rank, "ok": bool(result.get("ok")),
+                                  "error": result.get("error"), "steps": result.get("steps"), "phase": "captured",
+                                  "host": self.host, "pid": os.getpid()}))
         if result.get("ok") and d:
-            with self._lock:
-                self.pending += 1
-            if not self._put(("upload", cid, rank, d)):
-                with self._lock:
-                    self.pending -= 1
+            try:
+                outbox.mark_pending(d, self.client.base, cid, rank, self.job)
+            except OSError as exc:
+                log.warn_once("outbox-mark", f"cannot mark {d} for upload ({exc}); uploading it now only")
+            self._queue_upload(outbox.RankDir(d, cid, rank, self.job, self.client.base))
+
+    def _queue_upload(self, rd: outbox.RankDir) -> bool:
+        with self._lock:
+            self.pending += 1
+        if self._put(("upload", rd)):
+            return True
+        with self._lock:
+            self.pending -= 1
+        return False
+
+    def _resume_outbox(self) -> None:
+        """Queue this rank's captures that an earlier process left marked pending for this server."""
+        try:
+            left = outbox.pending(self.out, self.client.base, self._rank())
+            queued = sum(self._queue_upload(rd) for rd in left[:OUTBOX // 2])
+            if left:
+                log.info(f"{len(left)} capture(s) left pending by an earlier run; {queued} queued for upload")
+        except Exception as exc:
+            log.error("uplink outbox scan", exc)
 
     def _put(self, task: tuple) -> bool:
         try:
             self.outbox.put_nowait(task)
             return True
         except queue.Full:
-            log.warn_once("outbox-full", "upload queue full: a capture stays local only")
+            log.warn_once("outbox-full", f"upload queue full: a capture stays in {self.out}, marked "
+                                         f"{outbox.PENDING} for the next run or `aiprof upload`")
             return False
 
     def _stacks(self, sid: str) -> None:
@@ -255,6 +290,7 @@ class Uplink:
 
     # -- uploads --------------------------------------------------------------------------------
     def _upload_loop(self) -> None:
+        self._resume_outbox()  # here, not in start(): scanning --out must not delay the job
         while not self._stop.is_set():
             try:
                 task = self._next_task()
@@ -285,15 +321,19 @@ class Uplink:
             if task[0] == "result":
                 self.client.post(f"agents/{self.agent_id}/results", task[1])
             elif task[0] == "upload":
-                _, cid, rank, d = task
-                self.upload_dir(cid, rank, d)
+                rd = task[1]
+                outbox.upload_rank_dir(self.client, rd, UPLOAD_TIMEOUT_S)
                 with self._lock:
                     self.pending -= 1
-                    self.uploaded = (self.uploaded + [d])[-32:]
+                    self.uploaded = (self.uploaded + [rd.path])[-32:]
         except ServerError as exc:
             if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (404, 408, 409, 429):
                 log.warn_once(f"upload-refused-{exc.status}", f"server refused: {exc}; the capture stays local")
                 if task[0] == "upload":
+                    try:
+                        outbox.mark_refused(task[1].path, self.client.base, str(exc))
+                    except OSError:
+                        pass
                     with self._lock:
                         self.pending -= 1
                 return
@@ -304,23 +344,6 @@ class Uplink:
                 elif task[0] == "upload":
                     self.pending -= 1
             log.warn_once("upload-retry", f"upload to {self.client.base} failed ({exc}); will retry")
-
-    def upload_dir(self, cid: str, rank: int, d: str) -> list[Any]:
-        """Upload a rank folder's files, meta.json last (its arrival marks the rank complete)."""
-        names = sorted(f for f in os.listdir(d) if os.path.isfile(os.path.join(d, f)) and not f.startswith(".")
-                       and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", f))
-        names.sort(key=lambda n: n == "meta.json")
-        out = []
-        for n in names:
-            res = self.client.upload_file(cid, rank, os.path.join(d, n), n, attempts=3, timeout=UPLOAD_TIMEOUT_S,
-                                          job=self.job)
-            out.append(res)
-        try:
-            with open(os.path.join(d, ".uploaded"), "w") as f:
-                f.write(f"{self.client.base} {time.time():.0f}\n")
-        except OSError:
-            pass
-        return out
 
 
 def start_uplink(agent: Any, cfg: dict[str, Any] | None) -> Uplink | None:

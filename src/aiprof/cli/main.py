@@ -13,7 +13,7 @@ from aiprof.errors import AiprofError
 
 # verb name -> module under aiprof.cli; a module that fails to import (optional extra missing)
 # hides only its own verb.
-VERBS = ["analyze", "diff", "run", "attach", "trigger", "stacks", "hang", "flame", "export", "ui", "server"]
+VERBS = ["analyze", "diff", "run", "attach", "trigger", "stacks", "hang", "flame", "export", "ui", "server", "upload"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,20 @@ from aiprof.server.store import read_json
 ANALYSIS_TIMEOUT_S = 1800
 
 
+def implicit_ranks(metas: dict[int, dict]) -> list[int] | None:
+    """The ranks a capture the server did not trigger waits for, from its ranks' meta.json.
+
+    A capture one rank took by itself (the auto-trigger: ``trigger.scope == "rank"``, its own
+    capture id) is that rank alone; one that every rank of the job took under one id
+    (``aiprof run --iterations``) waits for the world size.
+    """
+    if not metas:
+        return None
+    if any((m.get("trigger") or {}).get("scope") == "rank" for m in metas.values()):
+        return sorted(metas)
+    return list(range(max(int(m.get("world_size") or 1) for m in metas.values())))
+
+
 class AnalysisQueue:
     """Watches captures still waiting for ranks and runs their analyses (one child at a time)."""
 
@@ -56,10 +70,9 @@ class AnalysisQueue:
         done = {r for r, files in ranks.items() if "meta.json" in files}
         failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
         expected = st.get("expected")
-        if expected is None:  # implicit capture: the world size in the ranks' meta.json
-            worlds = {int((read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {}).get("world_size") or 1)
-                      for r in done}
-            expected = list(range(max(worlds))) if worlds else None
+        metas = {r: read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {} for r in sorted(done)}
+        if expected is None:  # a capture the server did not trigger: its meta.json says who takes part
+            expected = implicit_ranks(metas)
         complete = expected is not None and set(expected) <= done | failed
         if not complete and time.time() < st.get("deadline", 0):
             return
@@ -72,8 +85,9 @@ class AnalysisQueue:
             s["state"] = "uploaded" if done else "failed"
             if not done:
                 s["error"] = "no rank's capture arrived before the deadline"
-            s["steps_by_rank"] = {str(r): ((read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {})
-                                           .get("steps") or {}).get("captured") for r in sorted(done)}
+            s["steps_by_rank"] = {str(r): (m.get("steps") or {}).get("captured") for r, m in metas.items()}
+            if metas and not s.get("trigger"):  # why it was taken (auto-trigger: slowdown, ...)
+                s["trigger"] = next(iter(metas.values())).get("trigger")
             steps = [tuple(v or ()) for v in s["steps_by_rank"].values()]
             s["aligned"] = bool(steps) and all(x == steps[0] for x in steps)
         st = self.data.update_capture(cid, upd)

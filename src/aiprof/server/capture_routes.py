@@ -13,7 +13,8 @@ from aiprof.server.jsonapi import HTTPError
 from aiprof.server.store import safe_name
 
 CAPTURES_LISTED = 500
-LIST_FIELDS = ("capture_id", "job", "created", "state", "expected", "received", "missing", "aligned", "source")
+LIST_FIELDS = ("capture_id", "job", "created", "state", "expected", "received", "missing", "aligned", "source",
+               "trigger")
 
 
 class CaptureRoutes:

@@ -70,6 +70,7 @@ class JobCoordination:
             raise HTTPError(409, f"capture {cid} exists")
         raw["capture_id"] = cid
         raw["out"] = "server"  # the agent writes to its own --out; this one is never used
+        raw["trigger"] = raw.get("trigger") or {"reason": "server", "job": req.path_params["job"]}  # into meta.json
         r = CaptureRequest.from_dict(raw)
         interval = self.registry.interval
         start_at = start_ns = None
@@ -83,7 +84,7 @@ class JobCoordination:
                  "start_at": start_at, "start_unix_ns": start_ns, "expected": sorted(a.rank for a in agents),
                  "agents": {str(a.rank): {"agent_id": a.agent_id, "host": a.host, "pid": a.pid} for a in agents},
                  "deadline": time.time() + timeout, "auto_analyze": bool(body.get("auto_analyze", True)),
-                 "results": {}, "state": "capturing", "source": "trigger"}
+                 "results": {}, "state": "capturing", "source": "trigger", "trigger": r.trigger}
         os.makedirs(self.data.capture_dir(cid), exist_ok=True)
         self.data.save_capture(cid, state)
         self.queue.active.add(cid)

@@ -38,8 +38,10 @@ class Pages:
         for cid in self.data.capture_ids()[:CAPTURES_SHOWN]:
             st = self.data.load_capture(cid) or {}
             ranks = ", ".join(map(str, st.get("received") or st.get("expected") or []))
+            why = str((st.get("trigger") or {}).get("reason") or "")
             rows.append(f"<tr><td><a href='captures/{html.escape(cid)}/'>{html.escape(cid)}</a></td>"
                         f"<td>{html.escape(str(st.get('job')))}</td><td>{html.escape(str(st.get('state')))}</td>"
+                        f"<td>{html.escape(why)}</td>"
                         f"<td>{html.escape(ranks)}</td><td>{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(st.get('created', 0)))}</td></tr>")
         jobs = []
         now = time.time()
@@ -50,7 +52,7 @@ class Pages:
         page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>aiprof server</title><link rel='icon' href='data:,'>"
                 "<style>body{font:14px system-ui;margin:2em}td,th{padding:.2em .8em;text-align:left}</style></head>"
                 f"<body><h1>aiprof server</h1><h2>Captures</h2><table id='captures'><tr><th>capture</th><th>job</th>"
-                f"<th>state</th><th>ranks</th><th>created</th></tr>{''.join(rows)}</table>"
+                f"<th>state</th><th>trigger</th><th>ranks</th><th>created</th></tr>{''.join(rows)}</table>"
                 f"<h2>Live jobs</h2><table id='jobs'><tr><th>job</th><th>agents</th><th>ranks</th><th>oldest heartbeat</th>"
                 f"</tr>{''.join(jobs)}</table></body></html>")
         return HTMLResponse(page)
