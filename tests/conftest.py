@@ -4,6 +4,7 @@ Ingest writes a cache folder beside its input, so tests get copies in a temporar
 """
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -41,3 +42,53 @@ def memsnap(tmp_path_factory) -> Path:
 def ddp4_dir(tmp_path_factory) -> Path:
     """4-layer GPT-2 DDP on 4 H200s; rank 2 runs 40 extra matmuls per step (the straggler)."""
     return _copy(tmp_path_factory, *(f"ddp4_slow2_rank{r}.json.gz" for r in range(4)))
+
+
+# --- a real headless Chromium (Debian's), driven by Playwright with its executable path ---
+# Defined once here: two session-scoped Playwright instances in one process collide (the sync
+# API refuses to start while another's event loop runs in the thread).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        p = shutil.which(name)
+        if p:
+            return p
+    return None
+
+
+@pytest.fixture(scope="session")
+def browser(tmp_path_factory):
+    """A persistent headless Chromium context for the whole session."""
+    exe = _chromium()
+    if exe is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing (make test installs it with apt-get)")
+        pytest.skip("no chromium on PATH (apt-get install chromium)")
+    from aiprof.server.app import static_built
+
+    if not static_built():
+        pytest.fail("the UI front end is not built: run `make setup` (npm ci && npm run build in web/)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    pw = sync_api.sync_playwright().start()
+    profile = tmp_path_factory.mktemp("chromium-profile")
+    ctx = pw.chromium.launch_persistent_context(str(profile), executable_path=exe, args=CHROMIUM_ARGS, headless=True,
+                                                viewport={"width": 1400, "height": 900})
+    yield ctx
+    ctx.close()
+    pw.stop()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh tab that records console errors and uncaught exceptions; the test fails on any."""
+    pg = browser.new_page()
+    errors: list[str] = []
+    pg.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+    pg.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    pg.errors = errors
+    yield pg
+    pg.close()
+    assert not errors, errors
