@@ -127,11 +127,13 @@ def cpu_active_idle(hw: HwSamples | None, lo: int, hi: int) -> dict | None:
 
 def downsample(ts: np.ndarray, values: np.ndarray, t0: int, t1: int, px: int, how: str = "max") -> dict:
     """A counter over ``[t0, t1)`` reduced to at most ``px`` points (max, or mean, per column),
-    plus the value in force at ``t0`` so a step line starts at the left edge."""
+    plus the last value before ``t0`` and the first at or after ``t1`` so a step line reaches
+    both edges (a gauge holds ``before``; a rate sampled since the previous sample, ``after``)."""
     px = int(max(1, min(px, 8192)))
     ts, values = np.asarray(ts, np.int64), np.asarray(values, np.float64)
     a, b = np.searchsorted(ts, [t0, t1])
     before = float(values[a - 1]) if a > 0 else None
+    after = float(values[b]) if b < len(values) else None
     t, v = ts[a:b], values[a:b]
     if len(t) > px:
         col = ((t - t0) * px // max(t1 - t0, 1)).astype(np.int64)
@@ -141,7 +143,7 @@ def downsample(ts: np.ndarray, values: np.ndarray, t0: int, t1: int, px: int, ho
         else:
             vv = np.maximum.reduceat(v, starts)
         t, v = t[starts], vv
-    return {"ts": t.tolist(), "value": v.tolist(), "before": before}
+    return {"ts": t.tolist(), "value": v.tolist(), "before": before, "after": after}
 
 
 def gpu_activity(rt: RankTrace) -> dict:

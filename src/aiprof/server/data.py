@@ -248,7 +248,8 @@ class CaptureData:
         if hw is not None:
             for (dev, m), (ts, v) in hw.series.items():
                 d = timeseries.downsample(ts, v, a, b, px, how="mean")
-                out[f"hw:{dev}:{m}"] = {"ts": [t - o for t in d["ts"]], "value": d["value"], "before": d["before"]}
+                out[f"hw:{dev}:{m}"] = {"ts": [t - o for t in d["ts"]], "value": d["value"], "before": d["before"],
+                                        "after": d["after"]}
         return {"counters": out}
 
     def event(self, r: int, source: str, row: int) -> dict:

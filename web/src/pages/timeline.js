@@ -140,15 +140,24 @@ export default async function timeline(root, { rank, params }) {
     const c = S.counters[r.counter.id];
     ctx.fillStyle = '#444'; ctx.save(); ctx.restore();
     if (!c || !c.ts.length) return;
-    let max = 0; for (const v of c.value) max = Math.max(max, v); if (c.before != null) max = Math.max(max, c.before);
+    let max = 0; for (const v of c.value) max = Math.max(max, v); for (const v of [c.before, c.after]) if (v != null) max = Math.max(max, v);
     max = max || 1;
     ctx.strokeStyle = '#2a7'; ctx.fillStyle = 'rgba(40,170,120,0.2)';
     ctx.beginPath();
     const yv = (v) => r.y + r.hgt - (v / max) * (r.hgt - 4);
-    let x = LEFT, yy = yv(c.before ?? c.value[0]);
-    ctx.moveTo(x, r.y + r.hgt); ctx.lineTo(x, yy);
-    for (let i = 0; i < c.ts.length; i++) { const nx = toX(c.ts[i]); ctx.lineTo(nx, yy); yy = yv(c.value[i]); ctx.lineTo(nx, yy); }
-    ctx.lineTo(W, yy); ctx.lineTo(W, r.y + r.hgt); ctx.closePath(); ctx.fill(); ctx.stroke();
+    ctx.moveTo(LEFT, r.y + r.hgt);
+    if (r.counter.id.startsWith('hw:')) {
+      // a hw.csv sample covers the period since the previous sample: the value holds before its time
+      let yy = yv(c.value[0]); ctx.lineTo(LEFT, yy);
+      for (let i = 0; i < c.ts.length; i++) { const nx = toX(c.ts[i]); yy = yv(c.value[i]); ctx.lineTo(nx, yy); if (i + 1 < c.ts.length) ctx.lineTo(nx, yv(c.value[i + 1])); }
+      const last = toX(c.ts[c.ts.length - 1]);
+      if (c.after != null) { ctx.lineTo(last, yv(c.after)); ctx.lineTo(W, yv(c.after)); ctx.lineTo(W, r.y + r.hgt); } else ctx.lineTo(last, r.y + r.hgt);
+    } else {
+      let yy = yv(c.before ?? c.value[0]); ctx.lineTo(LEFT, yy);
+      for (let i = 0; i < c.ts.length; i++) { const nx = toX(c.ts[i]); ctx.lineTo(nx, yy); yy = yv(c.value[i]); ctx.lineTo(nx, yy); }
+      ctx.lineTo(W, yy); ctx.lineTo(W, r.y + r.hgt);
+    }
+    ctx.closePath(); ctx.fill(); ctx.stroke();
     ctx.fillStyle = '#333';
     ctx.fillText(`max ${r.counter.unit === 'bytes' ? bytes(max) : max.toFixed(1)}`, LEFT + 4, r.y + 7);
   }
