@@ -1,9 +1,12 @@
 """Hardware samples in the browser: a real CPU capture (`aiprof run --what kernels,hw` over the
 tiny torch example) with host samples, served by the app and checked in headless Chromium
-against the store's ``hw`` table; the "not captured" states on a trace without samples; the
-GPU-side annotation rows of the timeline."""
+against the store's ``hw`` table; the same for the 4-GPU H200 capture with NVML/GPM samples
+(tests/data/ddp4_hw, skipped until it is there); the "not captured" states on a trace without
+samples; the GPU-side annotation and sync rows of the timeline."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +148,70 @@ def test_gpu_sync_rows_in_the_index(gpt2_stall):
     assert d["ref"]["name"] == "Stream Sync" and d["ref"]["source"] == "gpu_sync"
     assert d.get("launch")  # same correlation id as the kernel's launch call
     assert timeseries.gpu_activity(rt)["sync"]["count"] == 2
+
+
+DDP4_HW = Path(os.environ.get("AIPROF_TEST_DDP4_HW") or ROOT / "tests" / "data" / "ddp4_hw")
+
+
+@pytest.fixture(scope="module")
+def ddp4_hw_app(tmp_path_factory):
+    """The 4-GPU H200 capture with NVML/GPM samples (rank<R>/{trace.json.gz,hw.csv,meta.json})."""
+    if not (DDP4_HW / "rank0" / "hw.csv").is_file():
+        pytest.skip(f"no {DDP4_HW} with hardware samples")
+    d = tmp_path_factory.mktemp("ddp4hw") / "cap"
+    shutil.copytree(DDP4_HW, d)  # ingest writes its cache beside the traces
+    server, th, s = _serve([d])
+    yield s
+    server.should_exit = True
+    th.join(10)
+
+
+def _series(rt, metric: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """device -> (ts, value) of one metric, straight from the store's hw table."""
+    h = rt.hw
+    dev, met = np.asarray(h["device"]), np.asarray(h["metric"])
+    return {d: (h["ts"][(dev == d) & (met == metric)], h["value"][(dev == d) & (met == metric)])
+            for d in sorted(set(dev[met == metric]))}
+
+
+def test_multi_gpu_hw_samples_in_the_browser(page, ddp4_hw_app):
+    app, ranks = ddp4_hw_app, ddp4_hw_app.data.capture.ranks
+    assert len(ranks) == 4
+    w0 = app.report["ranks"][0]["window"]
+    open_page(page, app.url, "overview")
+    # GPU utilisation over time: the trace's busy share of every rank, and NVML of every GPU
+    series = {s["name"]: s["data"] for s in _option(page, "gpu-util")["series"]}
+    nvml = [n for n in series if n.endswith("(NVML)")]
+    expected = 0
+    for rt in ranks:
+        host = rt.meta.get("host_name", "") or "host"
+        assert f"{host} rank {rt.rank} (trace)" in series
+        for dev, (ts, v) in _series(rt, "gpu_util_pct").items():
+            expected += 1
+            got = series[f"{host} rank {rt.rank} {dev} (NVML)"]
+            assert [p[1] for p in got] == pytest.approx(v.tolist())
+            assert [p[0] for p in got] == pytest.approx(((ts - w0["start_ns"]) / 1e6).tolist())
+    assert len(nvml) == expected >= 4  # every rank sampled its own GPU
+    # CPU: the pie and the series of rank 0's host samples
+    cpu = _series(ranks[0], "cpu_util_pct")
+    if cpu:
+        ts, v = next(iter(cpu.values()))
+        pie = {d["name"]: d["value"] for d in _option(page, "cpu-active")["series"][0]["data"]}
+        assert pie["active"] == pytest.approx(_weighted_mean(ts, v, w0["start_ns"], w0["end_ns"]))
+        got = {s["name"]: s["data"] for s in _option(page, "cpu")["series"]}
+        line = got[next(n for n in got if n.endswith("cpu_util_pct"))]
+        assert [p[1] for p in line] == pytest.approx(v.tolist())
+    # Timeline of rank 1: a counter track per hw metric, holding the samples (mean per column)
+    rt = ranks[1]
+    open_page(page, app.url, "timeline?rank=1")
+    ids = page.evaluate("() => window.__aiprof.timeline.L.counters.map(c => c.id)")
+    gpu_metrics = {(d, m) for (d, m) in timeseries.load_hw(rt).series if d.startswith("gpu")}
+    assert {f"hw:{d}:{m}" for d, m in gpu_metrics} <= set(ids)
+    view = page.evaluate("() => { const d = window.__aiprof.timeline.S.data; return [d.t0, d.t1, d.px]; }")
+    o = app.data.origin()
+    for d, m in sorted(gpu_metrics)[:6]:
+        ts, v = timeseries.load_hw(rt).series[(d, m)]
+        c = page.evaluate(f"() => window.__aiprof.timeline.S.counters['hw:{d}:{m}']")
+        inside = (ts >= view[0] + o) & (ts < view[1] + o)
+        if inside.sum() <= view[2]:  # fewer samples than pixel columns: every sample as it is
+            assert c["value"] == pytest.approx(v[inside].tolist()) and c["ts"] == (ts[inside] - o).tolist()
