@@ -27,7 +27,7 @@ def cpu_hw_capture(tmp_path_factory) -> Path:
     res = subprocess.run([sys.executable, "-m", "aiprof", "run", "--what", "kernels,hw", "--hw-interval-ms", "50",
                           "--duration-ms", "1500", "--out", str(out), "--capture-id", "c", "--", sys.executable,
                           str(ROOT / "examples" / "tiny_train.py"), "--steps", "600"],
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=180, check=False)
     cap = out / "c"
     assert (cap / "rank0" / "hw.csv").is_file(), f"no hw.csv: rc={res.returncode}\n{res.stderr[-2000:]}"
     return cap

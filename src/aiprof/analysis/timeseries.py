@@ -121,7 +121,7 @@ def cpu_active_idle(hw: HwSamples | None, lo: int, hi: int) -> dict | None:
     active = min(max(active, 0.0), 100.0)
     proc = hw.series.get((dev, HW_CPU_PROCESS))
     proc_mean = interval_mean(proc[0], proc[1], lo, hi)[0] if proc is not None else None
-    return {"device": dev, "window_ns": [int(lo), int(hi)], "covered_ns": covered, "samples": int(len(ts)),
+    return {"device": dev, "window_ns": [int(lo), int(hi)], "covered_ns": covered, "samples": len(ts),
             "active_pct": active, "idle_pct": 100.0 - active, "process_cpu_pct": proc_mean}
 
 
