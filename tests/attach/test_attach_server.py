@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from capsupport import aiprof, stop, wait_for
-from test_attach import _injection_problem, tiny_target  # noqa: F401  (fixture)
+from test_attach import injection_ok, tiny_target  # noqa: F401  (fixtures)
 
 pytest.importorskip("uvicorn")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
@@ -19,14 +19,7 @@ from srvsupport import start_server  # noqa: E402
 JOB = "attached-job"
 
 
-@pytest.fixture(scope="module")
-def can_inject():
-    why = _injection_problem()
-    if why:
-        pytest.skip(f"attach cannot work on this machine: {why}")
-
-
-def test_attach_with_server_registers_and_a_server_trigger_is_uploaded_and_analysed(can_inject, tiny_target, rt,
+def test_attach_with_server_registers_and_a_server_trigger_is_uploaded_and_analysed(injection_ok, tiny_target, rt,
                                                                                      tmp_path):
     proc, _ = tiny_target
     srv = start_server(tmp_path / "data")

@@ -70,12 +70,15 @@ class AnalysisQueue:
         done = {r for r, files in ranks.items() if "meta.json" in files}
         failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
         expected = st.get("expected")
-        metas = {r: read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {} for r in sorted(done)}
+        metas: dict[int, dict] | None = None  # read only when needed: this runs on every meta.json upload
         if expected is None:  # a capture the server did not trigger: its meta.json says who takes part
+            metas = self._metas(cid, done)
             expected = implicit_ranks(metas)
         complete = expected is not None and set(expected) <= done | failed
         if not complete and time.time() < st.get("deadline", 0):
             return
+        if metas is None:
+            metas = self._metas(cid, done)
 
         def upd(s: dict) -> None:
             if s.get("state") != "capturing":
@@ -94,6 +97,9 @@ class AnalysisQueue:
         self.active.discard(cid)
         if st and st.get("state") == "uploaded" and st.get("auto_analyze"):
             self.start_analysis(cid)
+
+    def _metas(self, cid: str, ranks: set[int]) -> dict[int, dict]:
+        return {r: read_json(os.path.join(self.data.rank_dir(cid, r), "meta.json")) or {} for r in sorted(ranks)}
 
     def start_analysis(self, cid: str) -> bool:
         """Queue the analysis of ``cid`` (False when it is queued or running already)."""

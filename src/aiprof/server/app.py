@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import os
-from importlib import resources
 from typing import Any, Callable
 
 import msgspec
