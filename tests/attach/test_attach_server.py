@@ -25,7 +25,7 @@ def test_attach_with_server_registers_and_a_server_trigger_is_uploaded_and_analy
     srv = start_server(tmp_path / "data")
     try:
         out = tmp_path / "caps"
-        auth = ["--server", srv.url, "--token", srv.token]
+        auth = ["--server", srv.url, f"--token={srv.token}"]
         res = aiprof(rt, "attach", str(proc.pid), "--no-capture", "--job", JOB, "--out", str(out), *auth, timeout=90)
         assert res.returncode == 0 and "agent started via" in res.stderr, res.stderr
         c = srv.client()

@@ -31,6 +31,8 @@ def load_or_create_token(data_dir: str) -> str:
     except FileNotFoundError:
         pass
     tok = secrets.token_urlsafe(32)
+    while tok.startswith("-"):  # `--token -abc` would read as an option (1 token in 64 did)
+        tok = secrets.token_urlsafe(32)
     fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(tok + "\n")
