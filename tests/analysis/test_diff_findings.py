@@ -155,3 +155,27 @@ def test_analyze_text_shows_findings(gpt2_stall, capsys):
     text = capsys.readouterr().out
     assert "1. [high] STEP_OUTLIER" in text or "1. [high] DATA_LOADING" in text
     assert "Bottleneck ratio by class" in text and "Blocking synchronisations" in text
+
+
+def test_recurring_outlier_steps_are_one_finding(tmp_path):
+    """A stall that recurs every 5 steps (the GPT-2 trace's steps replicated 6 times) is one
+    STEP_OUTLIER about the worst step, with the period and the summed extra time."""
+    import importlib.util
+    from pathlib import Path
+
+    from aiprof.analysis.report import build_report
+    from aiprof.trace.store import open_capture
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "ingest.py"
+    spec = importlib.util.spec_from_file_location("bench_ingest", bench)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    trace = tmp_path / "rep.json"
+    info = mod.generate(trace, 200)  # ~6 copies of the 5 profiled steps
+    rep = build_report(open_capture(str(trace)))
+    outl = [f for f in rep["findings"] if f["code"] == "STEP_OUTLIER"]
+    assert len(outl) == 1
+    ev = outl[0]["evidence"]
+    assert ev["outliers"] == info["copies"] and f"every 5 steps" in outl[0]["title"]
+    assert ev["outlier_steps"] == [3 + 5 * k for k in range(info["copies"])]
+    assert outl[0]["impact_us"] == ev["total_extra_us"] > info["copies"] * 70_000

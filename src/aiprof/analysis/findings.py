@@ -28,6 +28,8 @@ STEP_OUTLIER_MIN_US = 5_000.0  # and at least this much slower
 STEP_OUTLIER_HIGH_RATIO = 1.5  # high needs this ratio and this much extra time
 STEP_OUTLIER_HIGH_MIN_US = 20_000.0
 STEP_OUTLIER_MAD_K = 5.0  # and beyond this many median absolute deviations (noise guard)
+STEP_OUTLIER_MAX_SEPARATE = 3  # more outlier steps than this are reported as one recurring finding
+STEP_OUTLIER_MAX_LISTED = 50  # outlier step numbers kept in the evidence
 # DATA_LOADING (share = GPU idle while loading / summed step time)
 DATA_LOADING_MIN_US = 1_000.0
 DATA_LOADING_MIN_SHARE = 0.03
@@ -104,27 +106,45 @@ def step_outlier(f: RankFacts) -> list[dict]:
     d = np.array([s.duration_us for s in f.steps])
     med = float(np.median(d))
     mad = float(np.median(np.abs(d - med)))
-    out = []
-    for s in f.steps:
-        extra = s.duration_us - med
-        if s.duration_us < STEP_OUTLIER_RATIO * med or extra < STEP_OUTLIER_MIN_US or extra < STEP_OUTLIER_MAD_K * mad:
-            continue
-        cause, where, sugg = "", "", ""
-        if f.diff is not None and f.diff.compare["step"] == s.step and f.diff.items:
-            top = f.diff.items[0]
-            where = _where(top)
-            cause = _describe(top, extra, f.has_gpu)
-            sugg = _fix_for(top, f)
-        ratio = s.duration_us / med
-        out.append(_f(
-            "STEP_OUTLIER", HIGH if ratio >= STEP_OUTLIER_HIGH_RATIO and extra >= STEP_OUTLIER_HIGH_MIN_US else MEDIUM,
-            f"step {s.step} took {_ms(s.duration_us)}, {ratio:.2f}x the median {_ms(med)}", f.rank, s.step, where,
-            extra,
-            {"step_us": s.duration_us, "median_us": med, "mad_us": mad, "extra_us": extra,
-             "root_items": [_item_ev(i) for i in (f.diff.items[:5] if f.diff and f.diff.compare["step"] == s.step else [])]},
-            (f"{cause}. {sugg.rstrip('.')}." if cause else "Compare it with `aiprof diff` to see what the extra time went to.")
-            + f" Expected saving: up to {_ms(extra)} on this step."))
-    return out
+    outliers = [s for s in f.steps
+                if not (s.duration_us < STEP_OUTLIER_RATIO * med or s.duration_us - med < STEP_OUTLIER_MIN_US
+                        or s.duration_us - med < STEP_OUTLIER_MAD_K * mad)]
+    if len(outliers) <= STEP_OUTLIER_MAX_SEPARATE:
+        return [_step_outlier_finding(f, s, med, mad, [s]) for s in outliers]
+    # A recurring slow step (every Nth step: checkpointing, eval, a periodic stall) is one
+    # problem: one finding for the worst step, whose impact is the extra time of them all.
+    worst = max(outliers, key=lambda s: s.duration_us)
+    return [_step_outlier_finding(f, worst, med, mad, outliers)]
+
+
+def _step_outlier_finding(f: RankFacts, s: StepBreakdown, med: float, mad: float, group: list) -> dict:
+    extra = s.duration_us - med
+    total_extra = float(sum(g.duration_us - med for g in group))
+    cause, where, sugg = "", "", ""
+    if f.diff is not None and f.diff.compare["step"] == s.step and f.diff.items:
+        top = f.diff.items[0]
+        where = _where(top)
+        cause = _describe(top, extra, f.has_gpu)
+        sugg = _fix_for(top, f)
+    ratio = s.duration_us / med
+    title = f"step {s.step} took {_ms(s.duration_us)}, {ratio:.2f}x the median {_ms(med)}"
+    evidence = {"step_us": s.duration_us, "median_us": med, "mad_us": mad, "extra_us": extra,
+                "root_items": [_item_ev(i) for i in (f.diff.items[:5] if f.diff and f.diff.compare["step"] == s.step else [])]}
+    saving = f" Expected saving: up to {_ms(extra)} on this step."
+    if len(group) > 1:
+        nums = [g.step for g in group]
+        gaps = set(np.diff(nums).tolist())
+        period = f", every {gaps.pop()} steps" if len(gaps) == 1 else ""
+        title = f"{len(group)} of {len(f.steps)} steps are outliers{period}; worst: " + title
+        evidence.update({"outlier_steps": nums[:STEP_OUTLIER_MAX_LISTED], "outliers": len(group),
+                         "total_extra_us": total_extra})
+        saving = (f" The step diff is of the worst one; if the others share its cause, fixing it saves up to "
+                  f"{_ms(total_extra)} over the {len(group)} steps.")
+    return _f(
+        "STEP_OUTLIER", HIGH if ratio >= STEP_OUTLIER_HIGH_RATIO and extra >= STEP_OUTLIER_HIGH_MIN_US else MEDIUM,
+        title, f.rank, s.step, where, total_extra, evidence,
+        (f"{cause}. {sugg.rstrip('.')}." if cause else "Compare it with `aiprof diff` to see what the extra time went to.")
+        + saving)
 
 
 def _item_ev(i) -> dict:
