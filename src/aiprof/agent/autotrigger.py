@@ -221,8 +221,10 @@ class AutoTrigger:
         d = os.path.join(self.cfg.out, "snap-" + new_capture_id(), f"rank{ri['rank']}")
         os.makedirs(d, exist_ok=True)
         host = socket.gethostname()
+        from aiprof.agent.collectives import snapshot as collectives_snapshot
+
         proc = {"pid": os.getpid(), "rank": ri["rank"], "host": host, "ok": True, "error": None,
-                "source": "sys._current_frames", "threads": stacks}
+                "source": "sys._current_frames", "threads": stacks, "last_collectives": collectives_snapshot()}
         with open(os.path.join(d, "stacks.json"), "w") as f:
             json.dump([proc], f, indent=1, default=str)
         meta = {"schema": SNAPSHOT_SCHEMA, "kind": "stacks", "trigger": why, "host": host, "pid": os.getpid(),

@@ -70,6 +70,9 @@ class Agent:
 
     def start(self, entry: str | None = None) -> None:
         self.tracker.install_optimizer_hook()
+        from aiprof.agent.collectives import install as install_collectives
+
+        install_collectives(self.origin)  # last collectives entered, for hang snapshots; never raises
         if entry:
             self.set_entry(entry)
         self.control.start()

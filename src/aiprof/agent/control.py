@@ -9,6 +9,10 @@ Protocol, one request per connection::
     -> {"op": "capture", "request": {...CaptureRequest...}}
     <- {"accepted": true, "capture_id": ..}          (or {"accepted": false, "error": ..})
     <- {"done": true, "ok": true, "dir": ..., "error": null}   (when the export finished)
+    -> {"op": "collectives"}
+    <- {"pid": .., "rank": .., "last_collectives": {...agent.collectives.snapshot()...}}
+    -> {"op": "stacks"}
+    <- {"pid": .., "rank": .., "threads": [...], "last_collectives": {...}}   (no py-spy needed)
 
 The socket folder is /tmp/aiprof-<uid> (mode 0700) or $AIPROF_RUNTIME_DIR; a socket whose
 process is gone is removed by the next client that finds it.
@@ -125,6 +129,17 @@ class ControlServer:
             op = msg.get("op")
             if op == "status":
                 _send(conn, self.agent.status())
+            elif op in ("collectives", "stacks"):
+                from aiprof.agent.capture import rank_info
+                from aiprof.agent.collectives import snapshot
+
+                reply: dict[str, Any] = {"pid": os.getpid(), **rank_info()}
+                if op == "stacks":  # taken first: the flight recorder dump may take a moment
+                    from aiprof.agent.autotrigger import thread_stacks
+
+                    reply["threads"] = thread_stacks()
+                reply["last_collectives"] = snapshot()
+                _send(conn, reply)
             elif op == "capture":
                 try:
                     req = CaptureRequest.from_dict(msg.get("request") or {})
@@ -216,6 +231,16 @@ def status(ep: Endpoint, timeout: float = 2.0) -> dict | None:
             _send(s, {"op": "status"})
             return _read_line(s, timeout)
     except OSError:
+        return None
+
+
+def ask(ep: Endpoint, op: str, timeout: float = 5.0) -> dict | None:
+    """Send one simple request (``collectives``, ``stacks``) and return the reply; None on failure."""
+    try:
+        with connect(ep, timeout) as s:
+            _send(s, {"op": op})
+            return _read_line(s, timeout)
+    except (OSError, ValueError):
         return None
 
 

@@ -278,10 +278,11 @@ class Uplink:
 
     def _stacks(self, sid: str) -> None:
         from aiprof.agent.autotrigger import thread_stacks
+        from aiprof.agent.collectives import snapshot as collectives_snapshot
         from aiprof.server.client import ServerError
 
         dump = {"pid": os.getpid(), "host": self.host, "ok": True, "error": None, "native": False,
-                "threads": thread_stacks(), "steps": self.agent.tracker.count,
+                "threads": thread_stacks(), "last_collectives": collectives_snapshot(), "steps": self.agent.tracker.count,
                 "last_step_age_s": self.agent.tracker.seconds_since_boundary()}
         try:
             self.client.post(f"hang/{sid}/ranks/{self._rank()}", dump, timeout=15.0)

@@ -4,6 +4,11 @@ Workers of a job are found through /proc (same user, or root): Python processes 
 environment names a rank (``RANK``) and a job (``TORCHELASTIC_RUN_ID``, ``AIPROF_JOB`` or
 ``MASTER_ADDR:MASTER_PORT``, the same key the agent uses). Children of a worker that inherit its
 environment (DataLoader workers, compile workers) and launchers are left out.
+
+Workers that run an aiprof agent (``aiprof run``/``attach``) are also asked, over their control
+socket, for the last collectives they entered (agent/collectives.py): that is what tells an NCCL
+hang apart, where the waiting ranks' stacks have already left the collective. Without py-spy, the
+agents' own stacks (``sys._current_frames``) stand in for py-spy's.
 """
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ from typing import Any
 from aiprof.analysis.hang import analyse
 from aiprof.attach.procs import AttachError, is_launcher_or_helper, resolve_targets
 from aiprof.attach.stacks import dump_one, find_py_spy
+from aiprof.errors import AiprofError
 
 MAX_PARALLEL_DUMPS = 16  # py-spy pauses each target briefly; dump workers together, bounded
+AGENT_TIMEOUT_S = 8.0  # per agent: its reply waits for a flight recorder dump (bounded at 3 s there)
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -59,6 +66,13 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _is_aiprof_cli(cmd: list[str]) -> bool:
+    """``aiprof run -- python train.py`` started with RANK set: the CLI, not the worker (its child)."""
+    head = cmd[:3]
+    return any(os.path.basename(a) == "aiprof" for a in head[:2]) or \
+        any(a == "-m" and b == "aiprof" for a, b in zip(head, head[1:]))
+
+
 def find_jobs() -> dict[str, list[dict[str, Any]]]:
     """Distributed workers on this host, by job key: [{"pid", "rank", "world_size"}] sorted by rank."""
     cand: dict[int, dict[str, Any]] = {}
@@ -72,7 +86,7 @@ def find_jobs() -> dict[str, list[dict[str, Any]]]:
         if key is None or "RANK" not in env:
             continue
         cmd = _cmdline(pid)
-        if not cmd or is_launcher_or_helper(cmd):
+        if not cmd or is_launcher_or_helper(cmd) or _is_aiprof_cli(cmd):
             continue
         try:
             rank = int(env["RANK"])
@@ -115,17 +129,59 @@ def rank_of(pid: int) -> int | None:
         return None
 
 
+def agent_reports(pids: list[int], op: str = "collectives", timeout: float = AGENT_TIMEOUT_S) -> dict[int, dict]:
+    """Ask the agents among ``pids`` for ``op`` (``collectives`` or ``stacks``); pid -> reply.
+
+    Processes without an agent socket are left out; an agent that does not answer in time too.
+    """
+    from aiprof.agent.control import ask, discover
+
+    want = set(pids)
+    eps = [e for e in discover() if e.pid in want]
+    if not eps:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_DUMPS, len(eps))) as ex:
+        replies = list(ex.map(lambda e: ask(e, op, timeout), eps))
+    return {e.pid: r for e, r in zip(eps, replies) if isinstance(r, dict)}
+
+
 def snapshot(pids: list[int], ranks: list[int | None] | None = None, native: bool = False,
              timeout: float = 20.0) -> dict[str, Any]:
-    """Dump the stacks of ``pids`` together and analyse them (analysis.hang.analyse)."""
-    exe = find_py_spy()
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_DUMPS, max(len(pids), 1))) as ex:
-        dumps = list(ex.map(lambda p: dump_one(p, native, timeout, exe), pids))
+    """Dump the stacks of ``pids`` together, add their agents' last collectives, analyse.
+
+    Stacks come from py-spy; where py-spy is missing or fails on a process that has an agent,
+    from the agent itself. Raises AiprofError when py-spy is missing and no process has an agent.
+    """
+    try:
+        exe: str | None = find_py_spy()
+    except AiprofError:
+        exe = None
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_DUMPS, max(len(pids), 1)) + 1) as ex:
+        agents_f = ex.submit(agent_reports, pids, "collectives" if exe else "stacks")
+        dumps = list(ex.map(lambda p: dump_one(p, native, timeout, exe), pids)) if exe else None
+        agents = agents_f.result()
+    if dumps is None:
+        if not agents:
+            find_py_spy()  # raises its "py-spy not found" error: nothing else can read a stack
+        dumps = [{"pid": p, "ok": p in agents, "error": None if p in agents else "py-spy not found and no agent",
+                  "native": False, "source": "agent", "threads": (agents.get(p) or {}).get("threads") or []}
+                 for p in pids]
+    else:
+        failed = [d["pid"] for d in dumps if not d["ok"] and d["pid"] in agents]
+        if failed:  # py-spy refused (permissions, an unsupported Python): the agent can still tell
+            again = agent_reports(failed, "stacks")
+            for d in dumps:
+                a = again.get(d["pid"])
+                if a and a.get("threads"):
+                    d.update(ok=True, source="agent", py_spy_error=d["error"], error=None, threads=a["threads"])
     host = socket.gethostname()
     ranks = ranks if ranks is not None else [rank_of(p) for p in pids]
     for d, r in zip(dumps, ranks):
         d["rank"] = r
         d["host"] = host
+        a = agents.get(d["pid"])
+        if a and a.get("last_collectives"):
+            d["last_collectives"] = a["last_collectives"]
     res = analyse(dumps)
     res["host"] = host
     return res
