@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.breakdown import GpuUnions, gpu_unions
 from aiprof.analysis.intervals import union, union_of
 from aiprof.trace import classify
@@ -110,7 +111,7 @@ def _groups(rt: RankTrace) -> list[CollectiveGroup]:
     nbytes = np.maximum(c["in_nelems"], 0) * esize
     bucket = _bucket(nbytes)
     key = (coll.codes.astype(np.int64) * (len(pg.labels) + 1) + pg.codes) * (len(_SIZE_NAMES) + 1) + bucket
-    keys, inv = np.unique(key, return_inverse=True)
+    keys, inv = npx.unique(key, return_inverse=True)
     dur = c["dur"].astype(np.float64)
     tot = np.bincount(inv, weights=dur)
     cnt = np.bincount(inv)

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aiprof.analysis.hotspots import KIND_NAMES, OP, PYTHON, gpu_busy, gpu_gaps, host_tree
+from aiprof import npx
+from aiprof.analysis.hotspots import (
+    KIND_NAMES,
+    OP,
+    PYTHON,
+    gpu_busy,
+    gpu_gaps,
+    host_tree,
+)
 from aiprof.analysis.steps import Steps, find_steps
 from aiprof.errors import UsageError
 from aiprof.trace.store import RankTrace
@@ -103,7 +111,7 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         names = g.strings("name")
         n = len(names.labels)
         key = idx[ok] * n + names.codes[ok]
-        uk, inv = np.unique(key, return_inverse=True)
+        uk, inv = npx.unique(key, return_inverse=True)
         t = np.bincount(inv, weights=g["dur"][ok])
         c = np.bincount(inv)
         for k, tt, cc in zip(uk, t, c):
@@ -116,7 +124,7 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
     sel = wanted[gaps.step] if len(gaps.step) else np.zeros(0, dtype=bool)
     key = gaps.step[sel] * nl + code[sel]
     if len(key):
-        uk, inv = np.unique(key, return_inverse=True)
+        uk, inv = npx.unique(key, return_inverse=True)
         t = np.bincount(inv, weights=gaps.dur[sel])
         # representative node (largest gap segment) of each item, for its stack
         order = np.lexsort((-gaps.dur[sel], inv))
@@ -142,7 +150,7 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         m = (sidx >= 0) & ((tree.kind == PYTHON) | (tree.kind == OP))
         m[m] = wanted[sidx[m]]
         key = sidx[m] * len(tree.labels) + tree.code[m]
-        uk, inv = np.unique(key, return_inverse=True)
+        uk, inv = npx.unique(key, return_inverse=True)
         incl = np.bincount(inv, weights=np.where(outer[m], (tree.end - tree.start)[m], 0))
         cnt = np.bincount(inv)
         kind_of = np.zeros(len(tree.labels), dtype=np.int8)
@@ -161,7 +169,7 @@ def _calls_per_step(tree, steps: Steps) -> dict[tuple[int, int], int]:
     sidx = steps.index_of(tree.start)
     ok = sidx >= 0
     n = len(tree.labels) + 1
-    uk, cnt = np.unique(sidx[ok] * n + tree.code[ok], return_counts=True)
+    uk, cnt = npx.unique(sidx[ok] * n + tree.code[ok], return_counts=True)
     return {(int(k // n), int(k % n)): int(c) for k, c in zip(uk, cnt)}
 
 

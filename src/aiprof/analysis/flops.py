@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.trace.store import RankTrace
 
 # Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheets, per GPU model and
@@ -123,7 +124,7 @@ def flops_analysis(rt: RankTrace, steps, precision: str = "bf16") -> FlopsAnalys
         leaf &= ~_wrapper_rows(rt, leaf)
         dims = o.strings("input_dims")
         key = names.codes[leaf].astype(np.int64) * (len(dims.labels) + 1) + dims.codes[leaf]
-        uk, inv = np.unique(key, return_inverse=True)
+        uk, inv = npx.unique(key, return_inverse=True)
         est = np.array([estimate_flops(names.labels[k // (len(dims.labels) + 1)],
                                        dims.labels[k % (len(dims.labels) + 1)]) for k in uk])
         f = np.zeros(len(o))

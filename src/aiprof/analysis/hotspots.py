@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.breakdown import gpu_unions
 from aiprof.analysis.comm import exposed_by_type
 from aiprof.analysis.intervals import Union, union, union_of
@@ -217,7 +218,7 @@ def main_tid(rt: RankTrace) -> int:
     for name in ("python", "ops", "runtime"):
         t = rt.table(name)
         if len(t):
-            vals, counts = np.unique(t["tid"], return_counts=True)
+            vals, counts = npx.unique(t["tid"], return_counts=True)
             return int(vals[np.argmax(counts)])
     return -1
 
@@ -350,7 +351,7 @@ def gpu_gaps(rt: RankTrace, steps: Steps, tree: HostTree | None = None, busy: Un
     lo, hi = int(steps.start.min()), int(steps.end.max())
     b = np.concatenate([tree.seg_start, tree.seg_end, busy.start, busy.end, load.start, load.end,
                         steps.start, steps.end])
-    b = np.unique(b[(b >= lo) & (b <= hi)])
+    b = npx.unique(b[(b >= lo) & (b <= hi)])
     s, e = b[:-1], b[1:]
     step = steps.index_of(s)
     keep = (step >= 0) & ~_point_in(busy, s)

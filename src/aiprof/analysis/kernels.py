@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
@@ -265,7 +266,7 @@ def _launched_gpu_ns(rt: RankTrace) -> np.ndarray | None:
         return None
     ext = k["ext_id"]
     ok = ext >= 0
-    keys, inv = np.unique(ext[ok], return_inverse=True)
+    keys, inv = npx.unique(ext[ok], return_inverse=True)
     vals = np.bincount(inv, weights=k["dur"][ok])
     if not len(keys):
         return np.zeros(len(o))

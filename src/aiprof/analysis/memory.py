@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import OP, host_tree, is_library_frame
 from aiprof.errors import AiprofError
 from aiprof.trace.store import RankTrace
@@ -77,7 +78,7 @@ def _enclosing_op(tree, ts: np.ndarray, tid: np.ndarray) -> np.ndarray:
     if not len(tree) or not len(ts):
         return out
     is_op = tree.kind == OP
-    for t in np.unique(tid):
+    for t in npx.unique(tid):
         q = np.nonzero(tid == t)[0]
         nodes = np.nonzero(is_op & (tree.tid == t))[0]
         if not len(nodes):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.diff import diff_captures
 from aiprof.analysis.steps import find_steps
 from aiprof.trace import classify
@@ -207,7 +208,7 @@ def align_and_arrivals(colls: list[RankCollectives]) -> tuple[Alignment, Arrival
     # each process group is matched against its own reference: the rank with most of its collectives
     pgs: dict[str, list[int]] = {}
     for c in have:
-        for p in np.unique(c.pg):
+        for p in npx.unique(c.pg):
             pgs.setdefault(str(p), []).append(c.rank)
     pg_ref: dict[str, int] = {}
     pg_match: dict[str, dict[int, np.ndarray]] = {}

@@ -15,7 +15,7 @@ from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
 from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
-from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, hotspots, host_tree
+from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
 from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.memory import memory_from_trace

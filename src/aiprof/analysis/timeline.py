@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON, RUNTIME, HostTree, host_tree
+from aiprof import npx
+from aiprof.analysis.hotspots import (
+    ANNOTATION,
+    OP,
+    PYTHON,
+    RUNTIME,
+    HostTree,
+    host_tree,
+)
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import find_steps
 from aiprof.flame.nesting import nest
@@ -134,7 +142,7 @@ def build_index(rt: RankTrace) -> TimelineIndex:
     def add(lane: Lane) -> None:
         lane.finish()
         lanes.append(lane)
-        for si in np.unique(lane.source).tolist():
+        for si in npx.unique(lane.source).tolist():
             m = lane.source == si
             src = SOURCES[si]
             if src in where:
@@ -154,14 +162,14 @@ def build_index(rt: RankTrace) -> TimelineIndex:
         tlabels = _thread_labels(rt)
         src_of_kind = np.array([_TREE_KIND_TO_SOURCE[k] for k in range(4)], np.int8)
         key = tree.tid.astype(np.int64)
-        for tid in np.unique(key).tolist():
+        for tid in npx.unique(key).tolist():
             m_t = key == tid
             depths = tree.depth[m_t]
             label = tlabels.get(tid) or f"thread {tid}"
             if tid == tree.main_tid:
                 label += " · main"
             idx_t = np.nonzero(m_t)[0]
-            for d in np.unique(depths).tolist():
+            for d in npx.unique(depths).tolist():
                 idx = idx_t[depths == d]
                 add(Lane(len(lanes), "host", label, int(d), tree.start[idx], tree.end[idx], code_map[tree.code[idx]],
                          src_of_kind[tree.kind[idx]], tree.row[idx].astype(np.int64)))
@@ -188,7 +196,7 @@ def build_index(rt: RankTrace) -> TimelineIndex:
     cat = {g: {k: np.concatenate([p[k] for p in ps]) for k in ps[0]} for g, ps in groups.items() if ps}
     for c in cat.values():
         c["key"] = (c["dev"] << 32) + (c["stream"] & 0xFFFFFFFF)
-    keys = np.unique(np.concatenate([c["key"] for c in cat.values()])) if cat else np.zeros(0, np.int64)
+    keys = npx.unique(np.concatenate([c["key"] for c in cat.values()])) if cat else np.zeros(0, np.int64)
     for k in keys.tolist():
         d, s = int(k >> 32), int(k & 0xFFFFFFFF)
         s = s - (1 << 32) if s >= 1 << 31 else s  # stream -1 (unknown) stays -1
@@ -201,7 +209,7 @@ def build_index(rt: RankTrace) -> TimelineIndex:
                 continue
             ns = nest(c["start"][idx], c["end"][idx])
             o = idx[ns.order]
-            for lane_d in np.unique(ns.depth).tolist():
+            for lane_d in npx.unique(ns.depth).tolist():
                 oo = o[ns.depth == lane_d]
                 track = f"GPU {d} stream {s}" + ("" if g == "work" else f" {kind}")
                 if g == "work" and lane_d:
@@ -272,7 +280,7 @@ def window(tl: TimelineIndex, t0: int, t1: int, px: int, lane_ids: list[int] | N
                            "row": lane.row[sel].tolist()}
         codes_seen.append(lane.name[sel])
         out.append(entry)
-    codes = np.unique(np.concatenate(codes_seen)) if codes_seen else np.zeros(0, np.int32)
+    codes = npx.unique(np.concatenate(codes_seen)) if codes_seen else np.zeros(0, np.int32)
     return {"t0": t0 - origin, "t1": t1 - origin, "px": px, "bucket_ns": bw, "lanes": out,
             "names": {int(c): tl.labels[c] for c in codes.tolist()}, "truncated": truncated}
 

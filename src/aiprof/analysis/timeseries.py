@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import gpu_busy
 from aiprof.trace import classify
 from aiprof.trace.hwcsv import hw_path_for
@@ -76,7 +77,7 @@ def load_hw(rt: RankTrace) -> HwSamples | None:
         dev, met = h.strings("device"), h.strings("metric")
         key = dev.codes.astype(np.int64) * (len(met.labels) + 1) + met.codes
         series = {}
-        for k in np.unique(key):
+        for k in npx.unique(key):
             sel = key == k  # rows are time-sorted in the store
             d, m = int(k) // (len(met.labels) + 1), int(k) % (len(met.labels) + 1)
             series[(dev.labels[d], met.labels[m])] = (h["ts"][sel], h["value"][sel])

@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import find_steps
 from aiprof.flame.nesting import nest
@@ -167,7 +168,7 @@ class _Builder:
             ns = nest(start[idx], end[idx])
             o = idx[ns.order]
             # overlapping GPU events (rare) get their own lane, never a clipped duration
-            for lane in np.unique(ns.depth).tolist():
+            for lane in npx.unique(ns.depth).tolist():
                 m = ns.depth == lane
                 uuid = self.track(rt.rank, f"GPU {d} stream {s}" + (f" (overlap {lane})" if lane else ""), "gpu")
                 for si, (sname, _, _, _) in enumerate(rows):

@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps, find_steps
 from aiprof.errors import UsageError
@@ -132,12 +133,10 @@ def host_forest(rt: RankTrace) -> HostForest:
     repaired = 0
     threads: dict[tuple[int, int], tuple[np.ndarray, Nesting]] = {}
     if n:
-        keys = np.stack([pid, tid])
-        uniq, inv = np.unique(keys, axis=1, return_inverse=True)
-        inv = inv.ravel()
+        upid, utid, inv = npx.unique_pairs(pid, tid)
         by_thread = np.argsort(inv, kind="stable")
-        bounds = np.searchsorted(inv[by_thread], np.arange(uniq.shape[1] + 1))
-        for k in range(uniq.shape[1]):
+        bounds = np.searchsorted(inv[by_thread], np.arange(len(upid) + 1))
+        for k in range(len(upid)):
             idx = by_thread[bounds[k]:bounds[k + 1]]
             ns = nest(start[idx], end[idx], src[idx])
             g = idx[ns.order]  # sorted position -> global row
@@ -146,7 +145,7 @@ def host_forest(rt: RankTrace) -> HostForest:
             depth[g] = ns.depth
             new_end[g] = ns.end
             repaired += ns.repaired
-            threads[(int(uniq[0, k]), int(uniq[1, k]))] = (g, ns)
+            threads[(int(upid[k]), int(utid[k]))] = (g, ns)
     linked = np.zeros(n, dtype=bool)
     links = _link_threads(threads, src, parent, linked)
     node, trie_parent, trie_label = _intern(parent, linked, depth, label, len(labels))
@@ -211,7 +210,7 @@ def _intern(parent: np.ndarray, linked: np.ndarray, local_depth: np.ndarray, lab
         p = parent[rows]
         pnode = np.where(p >= 0, node[np.maximum(p, 0)], 0)
         key = pnode * (n_labels + 1) + label[rows]
-        uk, inv = np.unique(key, return_inverse=True)
+        uk, inv = npx.unique(key, return_inverse=True)
         ids = np.empty(len(uk), dtype=np.int64)
         for j, kk in enumerate(uk.tolist()):
             t = index.get(kk)
@@ -268,7 +267,7 @@ def gpu_profile(rt: RankTrace, step: Optional[int] = None, forest: Optional[Host
         node, g = node[keep], g.take(keep)
     names = g.strings("name")
     key = (node + 1) * (len(names.labels) + 1) + names.codes
-    uk, inv = np.unique(key, return_inverse=True)
+    uk, inv = npx.unique(key, return_inverse=True)
     w = _sum_by(inv.ravel(), g["dur"], len(uk))
     stacks: list[Stack] = []
     for k in uk.tolist():

@@ -7,8 +7,19 @@ import numpy as np
 
 from aiprof.trace import classify
 from aiprof.trace.columns import Columns
-from aiprof.trace.events import (Ev, KernelArgs, MemopArgs, MemoryArgs, MetaArgs, OpArgs, PyArgs, RuntimeArgs,
-                                 SyncArgs, CollArgs, decode_args)
+from aiprof.trace.events import (
+    CollArgs,
+    Ev,
+    KernelArgs,
+    MemopArgs,
+    MemoryArgs,
+    MetaArgs,
+    OpArgs,
+    PyArgs,
+    RuntimeArgs,
+    SyncArgs,
+    decode_args,
+)
 from aiprof.trace.table import Table
 
 

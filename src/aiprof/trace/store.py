@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Optional
 
 import pyarrow.parquet as pq
 
+from aiprof import npx
 from aiprof.errors import TraceError
 from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
 from aiprof.trace.kineto import TABLES, read_trace
@@ -179,7 +180,7 @@ def _trace_meta(path: str, raw: dict, tables: dict[str, Table], index: int) -> d
     device = None
     if kernels is not None and len(kernels):
         import numpy as np
-        vals, counts = np.unique(kernels["device"], return_counts=True)
+        vals, counts = npx.unique(kernels["device"], return_counts=True)
         device = int(vals[np.argmax(counts)])
     extra = {k: v for k, v in raw.items() if k not in ("deviceProperties", "distributedInfo")}
     return {
@@ -266,7 +267,14 @@ def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progre
     ranks: list[RankTrace] = []
     if show_progress:
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         # on stderr: stdout may be the JSON report, piped elsewhere
         with Progress(TextColumn("[bold]ingest[/] {task.description}"), BarColumn(), DownloadColumn(),

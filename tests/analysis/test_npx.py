@@ -1,0 +1,27 @@
+"""aiprof's unique helpers give exactly numpy's answers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aiprof import npx
+
+
+@pytest.mark.parametrize("n,hi", [(0, 5), (1, 5), (1000, 7), (5000, 10**15)])
+def test_unique_matches_numpy(n, hi):
+    a = np.random.default_rng(n).integers(0, hi, n)
+    for kw in (dict(), dict(return_inverse=True), dict(return_counts=True),
+               dict(return_inverse=True, return_counts=True)):
+        ours, theirs = npx.unique(a, **kw), np.unique(a, **kw)
+        ours = ours if isinstance(ours, tuple) else (ours,)
+        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+        for o, t in zip(ours, theirs):
+            assert np.array_equal(o, np.asarray(t).ravel())
+
+
+def test_unique_pairs_matches_numpy_axis():
+    rng = np.random.default_rng(1)
+    x, y = rng.integers(0, 4, 3000), rng.integers(0, 50, 3000)
+    ux, uy, inv = npx.unique_pairs(x, y)
+    want, winv = np.unique(np.stack([x, y]), axis=1, return_inverse=True)
+    assert np.array_equal(ux, want[0]) and np.array_equal(uy, want[1]) and np.array_equal(inv, winv.ravel())
