@@ -12,6 +12,11 @@ function panel(root, id, title, note = '') {
 }
 
 function pie(el, name, data, fmt = us) {
+  // ECharts draws equal slices when every value is 0 (a CPU-only capture): say so instead.
+  if (!data.some((d) => d.value > 0)) {
+    el.replaceWith(h('<div class="empty">Nothing measured here: no GPU activity in this capture.</div>'));
+    return null;
+  }
   return chart(el, name, {
     tooltip: { trigger: 'item', valueFormatter: fmt },
     legend: { bottom: 0, type: 'scroll' },

@@ -62,6 +62,13 @@ export default async function timeline(root, { rank, params }) {
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
   }
 
+  // A tick label with just enough decimals that neighbouring ticks differ at any zoom.
+  function tickLabel(t, step) {
+    const [scale, unit] = Math.abs(t) >= 1e9 ? [1e9, 's'] : [1e6, 'ms'];
+    const dec = Math.min(9, Math.max(0, Math.ceil(-Math.log10(step / scale))));
+    return `${(t / scale).toFixed(dec)} ${unit}`;
+  }
+
   function draw() {
     ctx.clearRect(0, 0, W, totalH);
     ctx.font = '10px system-ui, sans-serif';
@@ -73,7 +80,7 @@ export default async function timeline(root, { rank, params }) {
     for (let t = Math.ceil(S.t0 / step) * step; t < S.t1; t += step) {
       const x = toX(t);
       ctx.beginPath(); ctx.moveTo(x, 0); ctx.lineTo(x, totalH); ctx.stroke();
-      ctx.fillText(ns(t), x + 2, RULER / 2);
+      ctx.fillText(tickLabel(t, step), x + 2, RULER / 2);
     }
     const byLane = new Map((S.data?.lanes || []).map((e) => [e.id, e]));
     const names = S.data?.names || {};
