@@ -123,3 +123,19 @@ def test_real_nccl_snapshot_from_h200():
     res = json.loads(r.stdout)
     assert [o["rank"] for o in res["outliers"]] == [1] and "load_batch" in res["outliers"][0]["reason"]
     assert res["groups"][0]["ranks"] == [0, 2, 3]
+
+
+def test_real_nccl_snapshot_with_recorder_from_h200():
+    # the same hang under `aiprof run` (bench/hang_gpu.sh): the agents' recorder tells who is behind
+    data = Path(__file__).parents[1] / "data" / "hang_nccl_recorder_h200x4.json"
+    res = json.loads(_hang_cli("--from", str(data), "--json").stdout)
+    waiting, behind = res["collectives"]["groups"]
+    assert (waiting["ranks"], waiting["label"]) == ([0, 2, 3], "in all_reduce #4")
+    assert (behind["ranks"], behind["label"]) == ([1], "last collective all_reduce #3")
+    (out,) = res["outliers"]
+    assert out["rank"] == 1 and out["kind"] == "behind" and "load_batch" in out["reason"]
+    # the stacks alone could not say it: the waiting ranks' stacks left all_reduce (NCCL returns at once)
+    from aiprof.analysis.hang import main_thread
+
+    assert all(not any(f["function"] == "all_reduce" for f in main_thread(p)["frames"]) for p in res["processes"])
+    assert res["groups"][0]["collective"] == "all_reduce"  # from the recorder

@@ -281,23 +281,31 @@ def _fr_entry(e: dict[str, Any]) -> dict[str, Any]:
 
 
 def _dump_fr() -> list[dict[str, Any]] | None:
+    """Entries of every flight recorder this torch has, merged; None when it has none.
+
+    NCCL's recorder (``_dump_nccl_trace*``) and the generic one that gloo uses
+    (``_dump_fr_trace*``, torch >= 2.8) are separate instances: on torch 2.11 with NCCL the
+    generic one is empty (seen on H200s), so both are read.
+    """
     import torch._C._distributed_c10d as c
 
-    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
-        fn = getattr(c, name, None)
+    found = False
+    entries: list[dict[str, Any]] = []
+    for js, pk in (("_dump_nccl_trace_json", "_dump_nccl_trace"), ("_dump_fr_trace_json", "_dump_fr_trace")):
+        fn = getattr(c, js, None)
         if fn is not None:
             data = json.loads(fn(True, False))
-            break
-    else:
-        for name in ("_dump_fr_trace", "_dump_nccl_trace"):
-            fn = getattr(c, name, None)
-            if fn is not None:
-                data = pickle.loads(fn(True, False, False))
-                break
+        elif getattr(c, pk, None) is not None:
+            data = pickle.loads(getattr(c, pk)(True, False, False))
         else:
-            return None
-    entries = data.get("entries") or []
-    return [_fr_entry(e) for e in entries[-REPORT_LAST:]]
+            continue
+        found = True
+        entries += data.get("entries") or []
+    if not found:
+        return None
+    out = [_fr_entry(e) for e in entries]
+    out.sort(key=lambda e: (e.get("t_ns") or 0))
+    return out[-REPORT_LAST:]
 
 
 _fr_lock = threading.Lock()
