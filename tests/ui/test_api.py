@@ -85,3 +85,15 @@ def test_links_python_to_kernels(client):
     assert u["calls"] == 5 and u["kernels"] == []  # get_batch launches no GPU work
     t = client.get("/api/links?rank=0&kind=python&name=gpt_train.py(29): train_step").json()
     assert t["calls"] == 5 and any(x["name"] == "aten::mm" for x in t["ops"]) and t["kernels"]
+
+
+def test_overview_shows_job_wide_findings_on_every_rank(ddp_app):
+    """STRAGGLER_RANK names rank 1 but concerns the whole job: rank 0's dashboard lists it too."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(ddp_app.url + "api/overview?rank=0") as r:
+        d = json.load(r)
+    codes = {(f["code"], f["rank"]) for f in d["findings"]}
+    assert ("STRAGGLER_RANK", 1) in codes and ("COMM_EXPOSED", 0) in codes
+    assert all(f["rank"] in (0, None) or f["code"] in ("STRAGGLER_RANK", "ABNORMAL_WORKER", "HANG") for f in d["findings"])

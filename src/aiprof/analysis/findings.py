@@ -20,6 +20,8 @@ from aiprof.analysis.runtime import RuntimeAnalysis, is_scalar_read
 from aiprof.trace import classify
 
 HIGH, MEDIUM, LOW = "high", "medium", "low"
+# Findings about the job as a whole (they name one rank, but every rank's view should show them).
+JOB_WIDE_CODES = frozenset({"STRAGGLER_RANK", "ABNORMAL_WORKER", "HANG"})
 
 # STEP_OUTLIER
 STEP_OUTLIER_MIN_STEPS = 3  # a median needs a few steps

@@ -12,6 +12,7 @@ import numpy as np
 
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
+from aiprof.analysis.findings import JOB_WIDE_CODES
 from aiprof.analysis.hotspots import hotspots
 from aiprof.analysis.kernels import kernel_stats
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
@@ -126,7 +127,7 @@ class CaptureData:
         return {
             "rank": rt.rank, "device": rr["device"], "host": rr["host"], "step_source": rr["step_source"],
             "window": rr["window"], "summary": s,
-            "findings": [f for f in rep["findings"] if f.get("rank") in (None, rt.rank)],
+            "findings": [f for f in rep["findings"] if f.get("rank") in (None, rt.rank) or f["code"] in JOB_WIDE_CODES],
             "all_findings": len(rep["findings"]),
             "gpu": {"busy_us": s.get("duration_us", 0.0) - s.get("idle_us", 0.0), "idle_us": s.get("idle_us", 0.0),
                     "busy_pct": s.get("gpu_busy_pct", 0.0)},

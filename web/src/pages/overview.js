@@ -42,6 +42,7 @@ export default async function overview(root, { rank }) {
   root.appendChild(h(`<div class="findings" id="findings">
     <h2>Findings <span class="count">${d.findings.length}</span></h2>
     ${d.findings.length ? '' : '<div class="hint">No finding for this rank.</div>'}
+    ${d.all_findings > d.findings.length ? `<div class="hint" id="findings-elsewhere">${d.all_findings - d.findings.length} more on other ranks: pick one above.</div>` : ''}
     ${d.findings.map((f) => `<div class="finding ${SEV[f.severity] || ''}" data-code="${esc(f.code)}">
       <div class="f-head"><span class="sev">${esc(f.severity)}</span> <code>${esc(f.code)}</code> ${esc(f.title)}
       <span class="impact">impact ${us(f.impact_us)}</span></div>
