@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -124,7 +123,7 @@ def test_library_snapshot_without_py_spy(stuck_job, monkeypatch):
     from aiprof.attach import hangsnap
     from aiprof.errors import AiprofError
 
-    procs, port, rt = stuck_job
+    _, port, rt = stuck_job
     monkeypatch.setenv("AIPROF_RUNTIME_DIR", rt)
     pids, ranks = hangsnap.targets(None, None, f"127.0.0.1:{port}", True)
 

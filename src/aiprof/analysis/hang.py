@@ -135,7 +135,7 @@ def recorder_verdict(procs: list[dict], source: str | None = None) -> dict | Non
         source = max(RECORDER_SOURCES, key=lambda s: (have[s], s == "flight_recorder"))
     rows = []
     for p in procs:
-        src, ents = recorded(p, source)
+        _, ents = recorded(p, source)
         if ents:
             rows.append((p, ents))
     if len(rows) < 2:
