@@ -139,3 +139,16 @@ def test_real_nccl_snapshot_with_recorder_from_h200():
 
     assert all(not any(f["function"] == "all_reduce" for f in main_thread(p)["frames"]) for p in res["processes"])
     assert res["groups"][0]["collective"] == "all_reduce"  # from the recorder
+
+
+def test_real_ddp_snapshot_from_torch_flight_recorder_h200():
+    # a 4-rank DDP job under `aiprof run` on H200s, rank 1 stuck (bench/hang_gpu.sh's DDP case):
+    # DDP's all-reduce comes from C++, so only torch's NCCL flight recorder sees it
+    data = Path(__file__).parents[1] / "data" / "hang_ddp_flightrec_h200x4.json"
+    res = json.loads(_hang_cli("--from", str(data), "--json").stdout)
+    waiting, behind = res["collectives"]["groups"]
+    assert (waiting["ranks"], waiting["label"]) == ([0, 2, 3], "in all_reduce #9")
+    assert (behind["ranks"], behind["label"]) == ([1], "last collective all_reduce #8")
+    assert res["collectives"]["source"] == "flight_recorder"
+    (out,) = res["outliers"]
+    assert out["rank"] == 1 and out["kind"] == "behind" and "load_batch" in out["reason"]
