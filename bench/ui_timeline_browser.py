@@ -24,15 +24,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ui_timeline import synthetic_rank
+from ui_timeline import stats, synthetic_rank
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-
-
-def stats(ms: list[float]) -> str:
-    a = np.array(ms)
-    return f"p50 {np.percentile(a, 50):.1f} ms, p95 {np.percentile(a, 95):.1f} ms, max {a.max():.1f} ms (n={len(a)})"
 
 
 def main() -> None:
