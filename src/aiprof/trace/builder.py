@@ -5,6 +5,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.trace import classify
 from aiprof.trace.columns import Columns
 from aiprof.trace.events import (
@@ -55,6 +56,7 @@ class Builder:
         self.threads: dict[tuple[int, int], dict] = {}
         self.flow_pts: list[tuple] = []
         self.kernel_cls: dict[tuple[str, bool], str] = {}
+        self.agent_threads: list[int] = []
         self.n_events = 0
 
     def _ns(self, ts: list[float]) -> np.ndarray:
@@ -280,6 +282,8 @@ class Builder:
 
     def finish(self) -> dict[str, Table]:
         tables = {name: c.table() for name, c in self.t.items() if c.rows}
+        if "python" in tables:
+            tables["python"], self.agent_threads = drop_agent_threads(tables["python"])
         rows = self._pair_flows()
         if rows is not None:
             fl = Columns()
@@ -323,4 +327,44 @@ _HANDLERS: dict[str, Callable[[Builder, list[Ev]], None]] = {
 # Tables every capture has (possibly empty), in the order the docs list them.
 TABLES = ("ops", "annotations", "python", "runtime", "kernels", "memops", "gpu_sync", "flows",
           "collectives", "memory", "threads", "hw")
+
+
+_AGENT_CODE = "aiprof/agent/"
+_THREAD_ENTRY = "threading.py("
+
+
+def drop_agent_threads(py: Table) -> tuple[Table, list[int]]:
+    """Drop the Python frames of aiprof's own agent threads (hardware sampler, control socket).
+
+    torch's Python tracer records every thread, so a capture made by the agent would show its
+    sampler as the busiest "user" code. A thread is the agent's when an ``aiprof/agent/`` frame
+    sits directly under its ``threading.py`` entry frames. Agent frames inside the user's
+    threads (the optimizer-step hook) are the job's real cost and stay.
+    """
+    names = py.strings("name")
+    is_agent = names.isin_labels(lambda s: _AGENT_CODE in s)
+    if not is_agent.any():
+        return py, []
+    is_entry = names.isin_labels(lambda s: s.startswith(_THREAD_ENTRY))
+    ids, parent = py["py_id"], py["parent_id"]
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+
+    def parent_row(rows: np.ndarray) -> np.ndarray:
+        pid = parent[rows]
+        pos = np.minimum(np.searchsorted(sorted_ids, pid), len(sorted_ids) - 1)
+        return np.where((pid >= 0) & (sorted_ids[pos] == pid), order[pos], -1)
+
+    rows = np.nonzero(is_agent)[0]
+    cur = parent_row(rows)
+    # climb through threading.py frames; an agent frame whose chain ends at the root is a thread entry
+    for _ in range(8):
+        climb = (cur >= 0) & is_entry[np.maximum(cur, 0)]
+        if not climb.any():
+            break
+        cur = np.where(climb, parent_row(np.maximum(cur, 0)), cur)
+    agent_tids = npx.unique(py["tid"][rows[cur < 0]])
+    if not len(agent_tids):
+        return py, []
+    return py.take(~np.isin(py["tid"], agent_tids)), agent_tids.tolist()
 

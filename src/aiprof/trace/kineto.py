@@ -212,6 +212,8 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
 
 def _finish(path: str, b: Builder, meta: dict) -> ParsedTrace:
     tables = b.finish()
+    if b.agent_threads:
+        meta["aiprof_agent_threads_dropped"] = b.agent_threads
     if b.n_events == 0 or not tables:
         raise TraceError(path, "no profiler events in \"traceEvents\" (is this a torch.profiler trace?)")
     return ParsedTrace(tables=tables, meta=meta, n_events=b.n_events)

@@ -37,7 +37,7 @@ from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # bump when ingest output changes: old stores are re-ingested
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
