@@ -177,7 +177,8 @@ def _fix_for(item, f: RankFacts) -> str:
         return "Check why this kernel ran longer or more often in this step (input shapes, extra work)."
     chain = " ".join(item.stack).lower() + " " + item.name.lower()
     if any(is_data_loading(s) for s in item.stack + [item.name]):
-        return ("The GPU waits for input: prefetch the next batch while the GPU works (DataLoader with "
+        waiter = "The GPU waits" if f.has_gpu else "The step waits"
+        return (f"{waiter} for input: prefetch the next batch while the step computes (DataLoader with "
                 "num_workers>0, pin_memory=True, prefetch_factor), or remove the blocking work from "
                 f"{item.site or item.name}")
     if "sleep" in chain:
