@@ -9,16 +9,10 @@ import numpy as np
 from aiprof.analysis.hotspots import OP, PYTHON, gpu_busy, has_gpu, host_tree, idle_ns
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps, find_steps
+from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
-# Calls that block the calling host thread until GPU work completes. cudaStreamWaitEvent and
-# cudaStreamQuery do not block the host, so they are not here (classify.SYNC_CALLS has them).
-BLOCKING_SYNC = frozenset({
-    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-    "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize", "cudaMemcpy", "cuMemcpyDtoH",
-    "cuMemcpyDtoH_v2", "cudaMemcpy2D",
-})
 # Ops whose sync is the `.item()` / `.tolist()` / `.cpu()` pattern (a device-to-host read).
 _SCALAR_READ_OPS = ("aten::item", "aten::_local_scalar_dense", "aten::to", "aten::_to_copy",
                     "aten::copy_", "aten::nonzero", "aten::is_nonzero", "aten::tolist")
@@ -57,11 +51,6 @@ class RuntimeAnalysis:
     calls: list[RuntimeCall]
     syncs: list[SyncSite]
     launch_delay_us: dict  # {"count", "mean", "p50", "p90", "p99", "max"}
-
-
-def is_blocking_sync(name: str) -> bool:
-    """True for runtime/driver calls that block the host until the GPU catches up."""
-    return name in BLOCKING_SYNC
 
 
 def launch_delay(rt: RankTrace) -> dict:
@@ -113,7 +102,7 @@ def sync_sites(rt: RankTrace, step_of=None) -> list[SyncSite]:
     r = rt.runtime
     if not len(r):
         return []
-    m = r.strings("name").isin_labels(is_blocking_sync)
+    m = r.strings("name").isin_labels(classify.is_sync_call)
     rows = np.nonzero(m)[0]
     if not len(rows):
         return []

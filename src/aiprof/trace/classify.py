@@ -91,13 +91,15 @@ def copy_kind(name: str) -> tuple[str, str, str]:
     return (m.group(1), m.group(2) or "", m.group(3) or "")
 
 
-# Sync calls that block the host until the GPU (or a stream/event) catches up.
-SYNC_CALLS = frozenset({
-    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent",
-    "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cudaStreamQuery",
+# Calls that block the calling host thread until GPU work (the device, a stream, an event) is
+# done. cudaStreamWaitEvent (a wait on the GPU side) and cudaStreamQuery (a poll) return at once,
+# so they are not here. Driver names are matched without their _v2/_v3 suffix.
+BLOCKING_SYNC_CALLS = frozenset({
+    "cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+    "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize",
 })
-# Copies that return only when done (synchronous w.r.t. the host).
-BLOCKING_COPIES = frozenset({"cudaMemcpy", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2", "cuMemcpy"})
+# Copies that return only when done (synchronous with respect to the host).
+BLOCKING_COPIES = frozenset({"cudaMemcpy", "cudaMemcpy2D", "cuMemcpy", "cuMemcpyDtoH", "cuMemcpyHtoD"})
 LAUNCH_CALLS = frozenset({
     "cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cuLaunchKernel",
     "cuLaunchKernelEx", "cudaGraphLaunch", "cuGraphLaunch", "cudaLaunchKernelEx",
@@ -105,6 +107,7 @@ LAUNCH_CALLS = frozenset({
 
 
 def is_sync_call(name: str) -> bool:
-    """True for runtime/driver calls that wait for the GPU."""
+    """True for runtime/driver calls that block the host until the GPU catches up (the one
+    definition used by the breakdown's sync time, the runtime analysis and the findings)."""
     base = name.split("_v", 1)[0] if name.startswith("cu") else name
-    return name in SYNC_CALLS or base in SYNC_CALLS or name in BLOCKING_COPIES
+    return base in BLOCKING_SYNC_CALLS or base in BLOCKING_COPIES
