@@ -66,8 +66,3 @@ def union(start: np.ndarray, end: np.ndarray) -> Union:
 def union_of(*unions: Union) -> Union:
     """Union of several unions."""
     return union(np.concatenate([u.start for u in unions]), np.concatenate([u.end for u in unions]))
-
-
-def subtract_length(a: Union, b: Union) -> int:
-    """Length of a minus b: |a ∪ b| − |b|."""
-    return union_of(a, b).total - b.total

@@ -25,17 +25,6 @@ class Strings:
         lab = np.array(self.labels + [""], dtype=object)
         return lab[self.codes]
 
-    def code_of(self, label: str) -> int:
-        """Code of ``label``, or -2 (matches nothing) when absent."""
-        try:
-            return self.labels.index(label)
-        except ValueError:
-            return -2
-
-    def codes_where(self, pred) -> np.ndarray:
-        """Codes whose label satisfies ``pred`` (evaluated once per distinct label)."""
-        return np.array([i for i, s in enumerate(self.labels) if pred(s)], dtype=np.int32)
-
     def isin_labels(self, pred) -> np.ndarray:
         """Boolean row mask: rows whose label satisfies ``pred``."""
         ok = np.zeros(len(self.labels) + 1, dtype=bool)
@@ -82,10 +71,6 @@ class Table:
             else:
                 out[k] = col[index]
         return Table(out)
-
-    def sorted_by(self, name: str) -> "Table":
-        """Rows sorted by a numeric column (stable)."""
-        return self.take(np.argsort(self[name], kind="stable"))
 
     def rows(self, limit: int | None = None) -> Iterator[dict]:
         """Rows as dicts (for small tables and tests)."""
