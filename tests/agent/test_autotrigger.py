@@ -65,6 +65,9 @@ def test_slowdown_rule_and_expected_gap_names():
     d = slowdown(base + [0.12, 0.13], cfg)
     assert d["reason"] == "slowdown" and d["ratio"] == 1.25 and d["baseline_ms"] == 100.0
     assert slowdown(base, cfg) is None  # not enough steps yet
+    short = [0.5, 0.3] + [0.008] * 4
+    assert slowdown(short + [0.010, 0.0105], cfg) is None  # 1.3x but only +2 ms: jitter, not a slowdown
+    assert slowdown(short + [0.020, 0.020], cfg)["recent_ms"] == 20.0
     fr = [{"function": "write"}, {"function": "save_checkpoint"}, {"function": "main"}]
     assert expected_gap(fr, AutoConfig().expected_gap_words) == "save_checkpoint"
     assert expected_gap([{"function": "stuck_read"}], AutoConfig().expected_gap_words) is None

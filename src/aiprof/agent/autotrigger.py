@@ -42,6 +42,7 @@ class AutoConfig:
     """Auto-trigger settings (all optional in ``$AIPROF_AUTO``)."""
 
     slowdown_ratio: float = 1.2  # recent median / baseline median that triggers a capture
+    slowdown_min_ms: float = 5.0  # and at least this much slower: OS jitter on short steps is no slowdown
     warmup_steps: int = 5  # iterations ignored at the start (compilation, autotuning, caches)
     baseline_steps: int = 20  # iterations whose median is the baseline
     recent_steps: int = 5  # iterations whose median is compared with it
@@ -85,11 +86,12 @@ def slowdown(durations_s: list[float], cfg: AutoConfig) -> dict | None:
         return None
     base = _median(durations_s[cfg.warmup_steps:cfg.warmup_steps + cfg.baseline_steps])
     recent = _median(durations_s[-cfg.recent_steps:])
-    if base <= 0 or recent < cfg.slowdown_ratio * base:
+    if base <= 0 or recent < cfg.slowdown_ratio * base or (recent - base) * 1e3 < cfg.slowdown_min_ms:
         return None
     # scope "rank": this rank alone decided, under its own capture id (the server waits for no other)
     return {"reason": "slowdown", "scope": "rank", "baseline_ms": round(base * 1e3, 3),
             "recent_ms": round(recent * 1e3, 3), "ratio": round(recent / base, 3), "threshold_ratio": cfg.slowdown_ratio,
+            "min_extra_ms": cfg.slowdown_min_ms,
             "recent_steps_ms": [round(x * 1e3, 3) for x in durations_s[-cfg.recent_steps:]]}
 
 
