@@ -14,13 +14,13 @@ def test_analyze_json_schema(gpt2_stall, tmp_path):
     res = _aiprof("analyze", str(gpt2_stall), "--json", "--out", str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr
     rep = json.loads(res.stdout)
-    assert rep["schema"] == "aiprof.report/1"
+    assert rep["schema"] == "aiprof.report/2"
     (r,) = rep["ranks"]
     assert isinstance(r["rank"], int)
     for s in r["steps"]:
         for k in ("step", "duration_us", "compute_us", "communication_us", "memory_us", "idle_us"):
             assert k in s
-    assert isinstance(rep["findings"], list)
+    assert isinstance(rep["causes"], list) and isinstance(rep["symptoms"], list)
     assert json.loads((tmp_path / "out" / "report.json").read_text())["ranks"][0]["steps"] == r["steps"]
     assert "Steps" in (tmp_path / "out" / "report.txt").read_text()
 
@@ -70,4 +70,4 @@ def test_progress_bar_on_a_terminal_goes_to_stderr(gpt2_stall, tmp_path):
     out = proc.stdout.read()
     assert proc.wait(timeout=120) == 0
     assert b"ingest" in err and b"MB" in err
-    assert json.loads(out)["schema"] == "aiprof.report/1"
+    assert json.loads(out)["schema"] == "aiprof.report/2"

@@ -1,18 +1,15 @@
-"""Step diff, the diff verb, and findings on the real traces and on CPU traces made here."""
+"""Step diff, the diff verb, and the causes on the real traces and on CPU traces made here."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 
-from aiprof.analysis import findings as F
 from aiprof.analysis.diff import diff_captures, diff_steps
 from aiprof.analysis.report import build_report
 from aiprof.cli.main import main as cli_main
 from aiprof.trace.store import open_capture
 
-KEYS = {"code", "severity", "title", "rank", "step", "where", "impact_us", "evidence", "suggestion"}
 
 
 @pytest.fixture(scope="module")
@@ -76,53 +73,33 @@ def test_diff_cli(gpt2_stall, ddp2_dir, capsys):
     assert json.loads(capsys.readouterr().out)["base"]["rank"] == 0
 
 
-def test_gpt2_findings(gpt2_report):
-    fs = gpt2_report["findings"]
-    assert fs and all(set(f) == KEYS for f in fs)
-    assert [f["impact_us"] for f in fs] == sorted((f["impact_us"] for f in fs), reverse=True)
-    top = fs[0]
-    assert top["code"] in ("STEP_OUTLIER", "DATA_LOADING") and top["step"] == 3
-    assert "get_batch" in top["where"] and "sleep" in top["where"]
-    assert 78_000 < top["impact_us"] < 90_000  # the extra ~80 ms
-    codes = {f["code"]: f for f in fs}
-    assert {"STEP_OUTLIER", "DATA_LOADING"} <= set(codes)
-    assert "get_batch" in codes["DATA_LOADING"]["where"]
-    # every high finding is about the stall; nothing else is high
-    for f in fs:
-        if f["severity"] == "high":
-            assert f["step"] == 3 and "get_batch" in f["where"]
-    assert "MEMCPY_PAGEABLE" not in codes and "LOW_TENSOR_CORE" not in codes and "COMM_EXPOSED" not in codes
+def test_gpt2_stall_cause(gpt2_report):
+    cs = gpt2_report["causes"]
+    top = cs[0]
+    # the stall in step 3: get_batch sleeps 80 ms on the training thread
+    assert top["code"] == "DATALOADER_STARVED" and top["place"]["steps"] == [3]
+    assert "get_batch" in top["title"] and "sleep" in top["title"] and "sleep" in top["remedy"]
+    assert top["severity"] == "high"
+    # the slow step is its symptom, not a finding of its own
+    slow = [s for s in gpt2_report["symptoms"] if s["code"] == "SLOW_STEP"]
+    assert [s["detail"]["step"] for s in slow] == [3]
+    assert slow[0]["explained_by"][0]["cause"] == top["id"] and not slow[0]["orphan"]
+    # its saving: the stall (about 80 ms over the 5 steps) at most
+    assert 50_000 < top["saving"]["total_us"] < 90_000
+    codes = {c["code"] for c in cs}
+    assert not codes & {"PAGEABLE_COPY", "MATMUL_OFF_TENSOR_CORES", "STRAGGLER"}
     json.dumps(gpt2_report)  # JSON-ready
 
 
-def test_ddp_findings(ddp_report):
-    fs = ddp_report["findings"]
-    comm = [f for f in fs if f["code"] == "COMM_EXPOSED"]
-    assert [f["rank"] for f in comm] == [0]  # the waiting rank, not the straggler
-    ev = comm[0]["evidence"]
-    assert ev["straggler"]["straggler_rank"] == 1
-    assert any(k["delta_calls"] == 60 for k in ev["straggler"]["extra_kernels"])
-    assert "rank 1" in comm[0]["suggestion"]
+def test_ddp_straggler_cause(ddp_report):
+    strag = [c for c in ddp_report["causes"] if c["code"] == "STRAGGLER"]
+    assert [c["rank"] for c in strag] == [1]  # the straggler, not the waiting rank
+    st = strag[0]["evidence"]["straggler"]
+    assert st["waiting_ranks"] == [0] and "+60 calls" in strag[0]["title"]
+    waits = [s for s in ddp_report["symptoms"] if s["code"] == "WAITING_RANK"]
+    assert [s["rank"] for s in waits] == [0] and waits[0]["explained_by"][0]["cause"] == strag[0]["id"]
     r0, r1 = ddp_report["ranks"]
     assert r0["summary"]["communication_us"] > 3 * r1["summary"]["communication_us"]
-
-
-def test_rules_fire_on_their_evidence(gpt2):
-    # rule logic on real facts with one fact changed: fp32 GEMMs and pageable copies
-    from aiprof.analysis.report import _analyse_rank
-
-    _, facts = _analyse_rank(gpt2, None, 15)
-    k = facts.kernels
-    slow = dataclasses.replace(k, non_tc_matmul_us=0.5 * k.matmul_us, non_tc_matmul_kernels=["volta_sgemm_128x64_nn"])
-    f = F.low_tensor_core(dataclasses.replace(facts, kernels=slow))
-    assert len(f) == 1 and f[0]["code"] == "LOW_TENSOR_CORE"
-    assert f[0]["impact_us"] == pytest.approx(0.5 * k.matmul_us * (1 - 1 / F.LOW_TC_ASSUMED_SPEEDUP))
-    assert F.low_tensor_core(facts) == []
-    # the trace's 5 pageable copies (30 µs) are below the threshold; 100x more would not be
-    assert facts.pageable["count"] == 5 and F.memcpy_pageable(facts) == []
-    big = dict(facts.pageable, dur_us=facts.pageable["dur_us"] * 100)
-    f = F.memcpy_pageable(dataclasses.replace(facts, pageable=big))
-    assert f and "pin_memory" in f[0]["suggestion"]
 
 
 @pytest.fixture(scope="module")
@@ -136,35 +113,30 @@ def cpu_reports(tmp_path_factory):
 
 def test_cpu_traces(cpu_reports):
     slow, healthy = cpu_reports
-    assert not any(f["severity"] == "high" for f in healthy["findings"]), (
-        [(f["code"], f["title"], f["evidence"].get("mad_us")) for f in healthy["findings"]],
-        [s["duration_us"] for s in healthy["ranks"][0]["steps"]])
-    gpu_codes = {"DATA_LOADING", "GPU_IDLE_HOST_BOUND", "COMM_EXPOSED", "LOW_TENSOR_CORE", "KERNEL_HOTSPOT",
-                 "MEMCPY_PAGEABLE", "SYNC_STALL"}
-    assert not gpu_codes & {f["code"] for f in slow["findings"] + healthy["findings"]}
-    # (a loaded CI machine can make other tiny CPU steps slow too: those may be reported as well)
-    out = [f for f in slow["findings"] if f["code"] == "STEP_OUTLIER"]
-    assert out and "get_batch" in out[0]["where"] and "sleep" in out[0]["where"]
+    assert not any(c["severity"] == "high" for c in healthy["causes"]), \
+        [(c["code"], c["title"]) for c in healthy["causes"]]
+    gpu_codes = {"LAUNCH_BOUND", "MATMUL_OFF_TENSOR_CORES", "PAGEABLE_COPY", "HOST_SYNC", "UNFUSED_OPTIMIZER"}
+    assert not gpu_codes & {c["code"] for c in slow["causes"] + healthy["causes"]}
+    # the injected 60 ms sleep in get_batch: the cause of the slow step, on the CPU too
     steps = {s["step"]: s["duration_us"] for s in slow["ranks"][0]["steps"]}
-    assert out[0]["step"] == max(steps, key=steps.get)
-    assert out[0]["impact_us"] > 55_000 and out[0]["severity"] == "high"  # the injected 60 ms sleep
+    top = slow["causes"][0]
+    assert top["code"] == "DATALOADER_STARVED" and "get_batch" in top["title"] and "sleep" in top["title"]
+    assert top["place"]["steps"] == [max(steps, key=steps.get)]
+    assert top["saving"]["total_us"] > 40_000
 
 
-def test_analyze_text_shows_findings(gpt2_stall, capsys):
+def test_analyze_text_leads_with_causes(gpt2_stall, capsys):
     assert cli_main(["analyze", str(gpt2_stall)]) == 0
     text = capsys.readouterr().out
-    assert "1. [high] STEP_OUTLIER" in text or "1. [high] DATA_LOADING" in text
+    assert "1. [high] DATALOADER_STARVED" in text and "explains: step 3 took" in text
     assert "Bottleneck ratio by class" in text and "Blocking synchronisations" in text
 
 
-def test_recurring_outlier_steps_are_one_finding(tmp_path):
+def test_recurring_stall_is_one_symptom_and_one_cause(tmp_path):
     """A stall that recurs every 5 steps (the GPT-2 trace's steps replicated 6 times) is one
-    STEP_OUTLIER about the worst step, with the period and the summed extra time."""
+    SLOW_STEP symptom with its period, explained by one cause naming those steps."""
     import importlib.util
     from pathlib import Path
-
-    from aiprof.analysis.report import build_report
-    from aiprof.trace.store import open_capture
 
     bench = Path(__file__).resolve().parents[2] / "bench" / "ingest.py"
     spec = importlib.util.spec_from_file_location("bench_ingest", bench)
@@ -173,9 +145,9 @@ def test_recurring_outlier_steps_are_one_finding(tmp_path):
     trace = tmp_path / "rep.json"
     info = mod.generate(trace, 200)  # ~6 copies of the 5 profiled steps
     rep = build_report(open_capture(str(trace)))
-    outl = [f for f in rep["findings"] if f["code"] == "STEP_OUTLIER"]
-    assert len(outl) == 1
-    ev = outl[0]["evidence"]
-    assert ev["outliers"] == info["copies"] and f"every 5 steps" in outl[0]["title"]
-    assert ev["outlier_steps"] == [3 + 5 * k for k in range(info["copies"])]
-    assert outl[0]["impact_us"] == ev["total_extra_us"] > info["copies"] * 70_000
+    slow = [s for s in rep["symptoms"] if s["code"] == "SLOW_STEP"]
+    assert len(slow) == 1 and "every 5 steps" in slow[0]["title"]
+    assert slow[0]["detail"]["steps"] == [3 + 5 * k for k in range(info["copies"])]
+    top = rep["causes"][0]
+    assert top["code"] == "DATALOADER_STARVED" and top["place"]["steps"] == slow[0]["detail"]["steps"]
+    assert slow[0]["explained_by"][0]["cause"] == top["id"]

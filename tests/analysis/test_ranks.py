@@ -15,22 +15,29 @@ def ddp_report(ddp2_dir):
     return build_report(open_capture(str(ddp2_dir)))
 
 
+def _straggler(rep: dict) -> list[dict]:
+    """The straggler causes: built from the difference (STRAGGLER) or a detector's, promoted."""
+    return [c for c in rep["causes"] if "straggler" in c["evidence"]]
+
+
 def test_ddp2_rank1_is_the_straggler_with_its_extra_compute(ddp_report):
-    strag = [f for f in ddp_report["findings"] if f["code"] == "STRAGGLER_RANK"]
-    assert [f["rank"] for f in strag] == [1]
-    ev = strag[0]["evidence"]
-    assert ev["last_arrivals"] == ev["collectives"] == 52  # rank 1 arrives last at every all-reduce
-    assert ev["waiting_ranks"] == [0]
-    assert ev["by_class"][0]["cls"] == "gpu: compute"  # what makes it slow: GPU compute...
-    assert 7_000 < ev["by_class"][0]["delta_per_step_us"] < 13_000  # ...about 10 ms/step of it
-    top = ev["differs"]["kernels"][0]  # ...the 60 extra 4096² matmuls per step
+    strag = _straggler(ddp_report)
+    assert [c["rank"] for c in strag] == [1] and strag[0]["code"] == "STRAGGLER"
+    st = strag[0]["evidence"]["straggler"]
+    assert st["last_arrivals"] == st["collectives"] == 52  # rank 1 arrives last at every all-reduce
+    assert st["waiting_ranks"] == [0]
+    assert st["by_class"][0]["cls"] == "gpu: compute"  # what makes it slow: GPU compute...
+    assert 7_000 < st["by_class"][0]["delta_per_step_us"] < 13_000  # ...about 10 ms/step of it
+    top = strag[0]["evidence"]["differs"]["kernels"][0]  # ...the 60 extra 4096² matmuls per step
     assert top["delta_calls"] == 60 and top["cls"] == "compute"
-    assert 5_000 < ev["loss_per_step_us"] <= ev["caused_wait_per_step_us"]
-    assert "rank 1" in strag[0]["title"] and "60 calls" in strag[0]["suggestion"]
-    # the waiting rank is not called abnormal, and COMM_EXPOSED stays on rank 0 naming rank 1
-    assert not [f for f in ddp_report["findings"] if f["code"] == "ABNORMAL_WORKER"]
-    comm = [f for f in ddp_report["findings"] if f["code"] == "COMM_EXPOSED"]
-    assert [f["rank"] for f in comm] == [0] and comm[0]["evidence"]["straggler"]["straggler_rank"] == 1
+    assert "rank 1" in strag[0]["title"] and "+60 calls" in strag[0]["title"]
+    assert strag[0]["saving"]["method"] == "joint replay"
+    # rank 0's waits and exposed communication are its symptoms
+    waits = [s for s in ddp_report["symptoms"] if s["code"] == "WAITING_RANK"]
+    assert [s["rank"] for s in waits] == [0] and waits[0]["explained_by"][0]["cause"] == strag[0]["id"]
+    comm = {s["rank"]: s for s in ddp_report["symptoms"] if s["code"] == "EXPOSED_COMM"}
+    assert comm[0]["explained_by"][0]["cause"] == strag[0]["id"]
+    assert comm[0]["us"] > 3 * comm.get(1, {"us": 0.0})["us"]
 
 
 def test_ddp2_alignment_and_matrix(ddp_report):
@@ -53,8 +60,8 @@ def test_missing_ranks_are_named(ddp2_dir):
         rt.meta = dict(rt.meta, world_size=4)  # as if ranks 2 and 3 had written no trace
     rep = build_report(cap)
     assert rep["cross_rank"]["missing_ranks"] == [2, 3]
-    strag = [f for f in rep["findings"] if f["code"] == "STRAGGLER_RANK"]
-    assert [f["rank"] for f in strag] == [1] and strag[0]["evidence"]["missing_ranks"] == [2, 3]
+    strag = _straggler(rep)
+    assert [c["rank"] for c in strag] == [1] and strag[0]["evidence"]["straggler"]["missing_ranks"] == [2, 3]
 
 
 # ------------------------------------------------------------------ synthetic collectives
@@ -153,19 +160,21 @@ def test_loo_median_small():
 
 def test_ddp4_h200_rank2_is_the_straggler(ddp4_dir):
     rep = build_report(open_capture(str(ddp4_dir)))
-    strag = [f for f in rep["findings"] if f["code"] == "STRAGGLER_RANK"]
-    assert [f["rank"] for f in strag] == [2]
-    ev = strag[0]["evidence"]
+    strag = _straggler(rep)
+    assert [c["rank"] for c in strag] == [2]
+    ev = strag[0]["evidence"]["straggler"]
     assert ev["last_arrivals"] == ev["collectives"] > 0
     assert sorted(ev["waiting_ranks"]) == [0, 1, 3]
     assert ev["by_class"][0]["cls"] == "gpu: compute"
-    assert ev["differs"]["kernels"][0]["delta_calls"] == 40  # the 40 extra matmuls per step
+    assert strag[0]["evidence"]["differs"]["kernels"][0]["delta_calls"] == 40  # the 40 extra matmuls per step
+    # balancing the ranks is the first thing to fix in this job
+    assert rep["causes"][0]["id"] == strag[0]["id"] and strag[0]["severity"] == "high"
     cr = rep["cross_rank"]
     assert cr["world_size"] == 4 and cr["missing_ranks"] == []
     assert cr["flags"]["2"] == ["abnormal", "straggler"]
     assert all(cr["flags"][str(r)] == ["waiting"] for r in (0, 1, 3))
-    comm = sorted(f["rank"] for f in rep["findings"] if f["code"] == "COMM_EXPOSED")
-    assert 2 not in comm and comm  # the waiting ranks, never the straggler
+    waits = sorted(s["rank"] for s in rep["symptoms"] if s["code"] == "WAITING_RANK")
+    assert waits == [0, 1, 3]  # the waiting ranks, never the straggler
 
 
 def test_ddp4_three_of_four_traces(ddp4_dir, tmp_path):
@@ -175,4 +184,4 @@ def test_ddp4_three_of_four_traces(ddp4_dir, tmp_path):
         shutil.copy(ddp4_dir / f"ddp4_slow2_rank{r}.json.gz", tmp_path)
     rep = build_report(open_capture(str(tmp_path)))
     assert rep["cross_rank"]["missing_ranks"] == [3]
-    assert [f["rank"] for f in rep["findings"] if f["code"] == "STRAGGLER_RANK"] == [2]
+    assert [c["rank"] for c in _straggler(rep)] == [2]

@@ -131,8 +131,8 @@ def test_numpy_encoder_is_byte_identical_to_protobuf():
     assert buf.tobytes() == want.SerializeToString()
 
 
-def test_cli_export_carries_the_findings(gpt2_cap, tmp_path):
-    """`aiprof export` puts each finding of the report on the rank's findings track, over its step."""
+def test_cli_export_carries_the_causes(gpt2_cap, tmp_path):
+    """`aiprof export` puts each cause of the report on the rank's findings track, over its steps."""
     import subprocess
     import sys
 
@@ -142,8 +142,8 @@ def test_cli_export_carries_the_findings(gpt2_cap, tmp_path):
     assert res.returncode == 0, res.stderr
     trace, tracks, procs, names = _decode(out)
     found = [(n, s, e) for t, n, s, e in _slices(trace, tracks, names) if t == "findings"]
-    outlier = [x for x in found if "STEP_OUTLIER" in x[0]]
-    assert len(outlier) == 1 and "step 3" in outlier[0][0]
+    outlier = [x for x in found if "DATALOADER_STARVED" in x[0]]
+    assert len(outlier) == 1 and "step 3" in outlier[0][0] and "saves" in outlier[0][0]
     steps = find_steps(gpt2_cap.ranks[0])
     i = list(steps.number).index(3)
     assert (outlier[0][1], outlier[0][2]) == (int(steps.start[i]), int(steps.end[i]))

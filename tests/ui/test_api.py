@@ -87,13 +87,16 @@ def test_links_python_to_kernels(client):
     assert t["calls"] == 5 and any(x["name"] == "aten::mm" for x in t["ops"]) and t["kernels"]
 
 
-def test_overview_shows_job_wide_findings_on_every_rank(ddp_app):
-    """STRAGGLER_RANK names rank 1 but concerns the whole job: rank 0's dashboard lists it too."""
+def test_overview_shows_the_stragglers_cause_on_the_waiting_rank(ddp_app):
+    """The straggler cause lives on rank 1 but explains rank 0's waits: rank 0's dashboard lists it."""
     import json
     import urllib.request
 
     with urllib.request.urlopen(ddp_app.url + "api/overview?rank=0") as r:
         d = json.load(r)
-    codes = {(f["code"], f["rank"]) for f in d["findings"]}
-    assert ("STRAGGLER_RANK", 1) in codes and ("COMM_EXPOSED", 0) in codes
-    assert all(f["rank"] in (0, None) or f["code"] in ("STRAGGLER_RANK", "ABNORMAL_WORKER", "HANG") for f in d["findings"])
+    codes = {(c["code"], c["rank"]) for c in d["causes"]}
+    assert ("STRAGGLER", 1) in codes
+    assert all(c["rank"] in (0, None) or "straggler" in c["evidence"] for c in d["causes"])
+    waits = [s for s in d["symptoms"] if s["code"] == "WAITING_RANK"]
+    assert waits and waits[0]["rank"] == 0
+    assert d["baseline"]["rank"] == 0 and d["baseline"]["replayed_step_us"] > 0

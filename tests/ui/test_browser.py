@@ -41,8 +41,11 @@ def test_dashboard_charts_show_the_report_numbers(page, gpt2_app):
     assert prec == pytest.approx(rr["kernels"]["precision_us"])
     assert page.inner_text("#kpi-median") == f"{s['step_median_us'] / 1e3:.2f} ms"
     assert page.inner_text("#kpi-launches") == str(rr["rows"]["kernels"])
-    codes = page.eval_on_selector_all(".finding", "els => els.map(e => e.dataset.code)")
-    assert codes == [f["code"] for f in gpt2_app.report["findings"]]
+    # causes first, in the report's order, each with the saving the report computed
+    codes = page.eval_on_selector_all(".cause", "els => els.map(e => e.dataset.code)")
+    assert codes == [c["code"] for c in gpt2_app.report["causes"]]
+    savings = page.eval_on_selector_all(".cause .impact", "els => els.map(e => Number(e.dataset.savingUs))")
+    assert savings == pytest.approx([c["saving"]["per_step_us"] for c in gpt2_app.report["causes"]])
     assert "No hardware samples" in page.inner_text("#p-gpu-util")
     # k is adjustable: top 5 redraws both kernel charts with 5 bars
     page.fill("#topk", "5")

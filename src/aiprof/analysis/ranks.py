@@ -25,6 +25,7 @@ import numpy as np
 
 from aiprof import npx
 from aiprof.analysis.diff import diff_captures
+from aiprof.analysis.intervals import union
 from aiprof.analysis.steps import find_steps
 from aiprof.trace import classify
 from aiprof.trace.store import Capture, RankTrace
@@ -52,6 +53,8 @@ ABNORMAL_EXACT_LOO_MAX = 64  # up to this many ranks the MAD is computed leaving
 # the host dispatches/launches/syncs are left out: a rank that waits for a straggler shows them
 # (STRAGGLER_RANK covers that); GPU idle while loading input is the rank's own.
 WORK_CLASSES = ("gpu: compute", "gpu: memory ops", "host: data loading")
+# Host-side collective backends whose annotations mark each collective (name prefix).
+_HOST_BACKEND_PREFIXES = ("gloo:",)
 # Classes that can explain what makes a straggler slow (all but communication and the unexplained)
 _CAUSE_EXCLUDE = ("gpu: communication", "host: no traced event")
 
@@ -93,6 +96,8 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
                 start, end, seq = t["ts"], t["ts"] + t["dur"], t["seq"]
                 break
     if not side:
+        side, pg, sig, start, end, seq = _host_backend_collectives(rt)
+    if not side:
         k = rt.kernels
         if len(k):
             m = k.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
@@ -118,6 +123,23 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
     return RankCollectives(rt.rank, side, np.asarray(pg, dtype=object)[order], np.asarray(sig, dtype=object)[order],
                            st.astype(np.int64), np.asarray(end)[order].astype(np.int64),
                            np.asarray(seq)[order].astype(np.int64), num.astype(np.int64))
+
+
+def _host_backend_collectives(rt: RankTrace):
+    """Collectives a host backend ran, from its annotations (``gloo:all_reduce`` with the tensor's
+    dims), when the trace has no collective arguments (gloo in torch 2.11 records none):
+    (side, pg, sig, start, end, seq), side "" when there are none."""
+    a = rt.annotations
+    if not len(a):
+        return "", None, None, None, None, None
+    m = a.strings("name").isin_labels(lambda s: s.startswith(_HOST_BACKEND_PREFIXES)) & ~a["gpu"]
+    if not m.any():
+        return "", None, None, None, None, None
+    t = a.take(m)
+    names = t["name"]
+    sig = np.array([classify.collective_type(n) or n for n in names], dtype=object)
+    pg = np.array([n.split(":", 1)[0] for n in names], dtype=object)
+    return "cpu", pg, sig, t["ts"], t["ts"] + t["dur"], np.full(len(t), -1, dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------------- matching
@@ -189,13 +211,17 @@ class Arrivals:
     collectives: int  # matched by at least two ranks
     last_count: dict  # rank -> times it arrived last
     present: dict  # rank -> matched collectives it took part in
-    caused_wait_us: dict  # rank -> sum over its last arrivals of (last - second last)
-    waited_us: dict  # rank -> sum over collectives of (last arrival - its own arrival)
+    caused_wait_us: dict  # rank -> union over its last arrivals of [second last, last]
+    waited_us: dict  # rank -> union over collectives of [its own arrival, last arrival]
     worst: list  # the largest single waits: {"collective", "pg", "step", "last_rank", "caused_us"}
 
 
-def align_and_arrivals(colls: list[RankCollectives]) -> tuple[Alignment, Arrivals]:
-    """Match collectives across ranks, estimate clock offsets, and score arrivals."""
+def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None) -> tuple[Alignment, Arrivals]:
+    """Match collectives across ranks, estimate clock offsets, and score arrivals.
+
+    ``columns``, when given, receives the matching itself: ``{"rank_index": {rank: indices into
+    that rank's RankCollectives, one per matched collective (-1: absent)}, "offset_ns": {rank:
+    ns to add to the rank's clock}}`` (the what-if replay couples ranks through it)."""
     ranks = [c.rank for c in colls]
     have = [c for c in colls if len(c)]
     empty_arr = Arrivals(0, {r: 0 for r in ranks}, {r: 0 for r in ranks}, {r: 0.0 for r in ranks},
@@ -259,17 +285,20 @@ def align_and_arrivals(colls: list[RankCollectives]) -> tuple[Alignment, Arrival
                    {r: spread.get(r, 0.0) / NS_PER_US for r in ranks}, {r: matched.get(r, 0) for r in ranks})
     # arrival matrix: one column per collective of each group's reference
     idx = {r: i for i, r in enumerate(ranks)}
-    cols, col_pg, col_step = [], [], []
+    cols, col_pg, col_step, col_idx = [], [], [], []
     for p in order:
         ref = pg_ref[p]
         ia = pg_match[p][ref]
         m = np.full((len(ranks), len(ia)), np.nan)
+        mi = np.full((len(ranks), len(ia)), -1, dtype=np.int64)
         for r, ib in pg_match[p].items():
             if r not in offset:
                 continue
             ok = ib >= 0
             m[idx[r], ok] = by_rank[r].start[ib[ok]] + offset[r]
+            mi[idx[r], ok] = ib[ok]
         cols.append(m)
+        col_idx.append(mi)
         col_pg += [p] * len(ia)
         col_step.append(by_rank[ref].step[ia])
     a = np.concatenate(cols, axis=1)
@@ -277,6 +306,10 @@ def align_and_arrivals(colls: list[RankCollectives]) -> tuple[Alignment, Arrival
     present = ~np.isnan(a)
     keep = present.sum(axis=0) >= 2
     a, present, steps_of = a[:, keep], present[:, keep], steps_of[keep]
+    if columns is not None:
+        ci = np.concatenate(col_idx, axis=1)[:, keep]
+        columns["rank_index"] = {r: ci[i] for r, i in idx.items()}
+        columns["offset_ns"] = {r: float(offset.get(r, 0.0)) for r in ranks}
     col_pg = [p for p, k in zip(col_pg, keep) if k]
     n = a.shape[1]
     if n == 0:
@@ -286,15 +319,24 @@ def align_and_arrivals(colls: list[RankCollectives]) -> tuple[Alignment, Arrival
     top = filled[last, np.arange(n)]
     second = np.partition(filled, -2, axis=0)[-2] if len(ranks) >= 2 else top
     caused = np.where(np.isfinite(second), top - second, 0.0)
-    waited = np.where(present, top[None, :] - np.where(present, a, 0.0), 0.0)
     last_count = np.bincount(last, minlength=len(ranks))
-    caused_by = np.bincount(last, weights=caused, minlength=len(ranks))
+    # waits of concurrent collectives overlap in time (a rank that issues two all-reduces waits
+    # for both at once): a rank's wait is the union of its waiting intervals, and what a
+    # straggler caused is the union of the intervals between the second-last and its arrival
+    caused_by = np.zeros(len(ranks))
+    waited_by = np.zeros(len(ranks))
+    fin = np.isfinite(second)
+    for i in range(len(ranks)):
+        mine = (last == i) & fin
+        caused_by[i] = union(second[mine], top[mine]).total if mine.any() else 0.0
+        pres = present[i]
+        waited_by[i] = union(a[i, pres], top[pres]).total if pres.any() else 0.0
     worst = [{"collective": int(j), "pg": col_pg[j], "step": int(steps_of[j]), "last_rank": ranks[int(last[j])],
               "caused_us": float(caused[j]) / NS_PER_US} for j in np.argsort(-caused)[:5]]
     arr = Arrivals(n, {r: int(last_count[i]) for r, i in idx.items()},
                    {r: int(present[i].sum()) for r, i in idx.items()},
                    {r: float(caused_by[i]) / NS_PER_US for r, i in idx.items()},
-                   {r: float(waited[i].sum()) / NS_PER_US for r, i in idx.items()}, worst)
+                   {r: float(waited_by[i]) / NS_PER_US for r, i in idx.items()}, worst)
     return al, arr
 
 
@@ -431,14 +473,18 @@ def _diff_evidence(base: RankTrace, slow: RankTrace) -> dict:
     }
 
 
-def cross_rank(cap: Capture, reports: list, diff: bool = True) -> CrossRank:
-    """Compare the ranks of a capture. ``reports`` are the per-rank RankReports, in cap.ranks order."""
+def cross_rank(cap: Capture, reports: list, diff: bool = True, columns: dict | None = None) -> CrossRank:
+    """Compare the ranks of a capture. ``reports`` are the per-rank RankReports, in cap.ranks order;
+    ``columns`` receives the collective matching (see :func:`align_and_arrivals`) and each rank's
+    :class:`RankCollectives` under ``"collectives"``."""
     ranks = [rt.rank for rt in cap.ranks]
     hosts = {rt.rank: rt.meta.get("host_name") or rt.meta.get("host") or "" for rt in cap.ranks}
     world = cap.world_size
     missing = sorted(set(range(world)) - set(ranks))
     colls = [rank_collectives(rt) for rt in cap.ranks]
-    al, arr = align_and_arrivals(colls)
+    al, arr = align_and_arrivals(colls, columns)
+    if columns is not None:
+        columns["collectives"] = {c.rank: c for c in colls}
     classes = class_matrix(reports)
     matrix = step_matrix(reports)
     n_steps = np.array([_per_step(r) for r in reports], dtype=np.float64)

@@ -1,4 +1,4 @@
-"""Build the report: every analysis run over a capture, as plain data (schema aiprof.report/1).
+"""Build the report: every analysis run over a capture, as plain data (schema aiprof.report/2).
 
 Reporters (text, JSON, HTML) render this and compute nothing. The schema is documented in
 docs/report.md.
@@ -10,22 +10,21 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from aiprof import __version__
-from aiprof.analysis import findings as rules
 from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
 from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
 from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
 from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
-from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.memory import memory_from_trace
-from aiprof.analysis.ranks import CrossRank, cross_rank
+from aiprof.analysis.ranks import cross_rank
 from aiprof.analysis.runtime import runtime_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
-from aiprof.trace import classify
+from aiprof.diagnosis import engine as diag_engine
+from aiprof.diagnosis.facts import RankFacts
 from aiprof.trace.store import Capture, RankTrace
 
-SCHEMA = "aiprof.report/1"
+SCHEMA = "aiprof.report/2"
 _SUM_FIELDS = ("duration_us", "compute_us", "communication_us", "memory_us", "idle_us",
                "communication_total_us", "memory_total_us", "runtime_us", "sync_us", "dataloader_us")
 
@@ -89,52 +88,7 @@ def _step_of(steps: Steps):
     return f
 
 
-def _pageable(rt: RankTrace) -> dict:
-    """Copies from/to pageable host memory: count, bytes, duration, by direction, largest site."""
-    m = rt.memops
-    if not len(m):
-        return {}
-    names = m.strings("name")
-    sel = names.isin_labels(lambda s: "Pageable" in classify.copy_kind(s)[1:])
-    if not sel.any():
-        return {}
-    by_kind: dict = {}
-    kinds = np.array([classify.copy_kind(s)[0] for s in names.labels] + [""], dtype=object)[names.codes]
-    for k in sorted(set(kinds[sel])):
-        mk = sel & (kinds == k)
-        by_kind[k] = {"count": int(mk.sum()), "bytes": int(np.maximum(m["bytes"][mk], 0).sum()),
-                      "dur_us": float(m["dur"][mk].sum()) / 1000.0}
-    site = ""
-    big = int(np.argmax(np.where(sel, m["dur"], -1)))
-    lr = launch_rows(rt.runtime, m.take(np.array([big])))
-    if len(lr) and lr[0] >= 0:
-        tree = host_tree(rt)
-        node = tree.runtime_node[lr[0]]
-        if node >= 0:
-            site = tree.user_site(int(node))
-    return {"count": int(sel.sum()), "bytes": int(np.maximum(m["bytes"][sel], 0).sum()),
-            "dur_us": float(m["dur"][sel].sum()) / 1000.0, "by_kind": by_kind, "site": site}
-
-
-def _host_idle_items(tree, gaps, top: int = 5) -> list[dict]:
-    """Host events with the most GPU-idle time as innermost event (not loading, not sync)."""
-    if not len(tree) or not len(gaps.start):
-        return []
-    ok = (gaps.node >= 0) & ~gaps.loading
-    codes = tree.code[gaps.node[ok]]
-    t = np.bincount(codes, weights=gaps.dur[ok], minlength=len(tree.labels))
-    out = []
-    for c in np.argsort(-t):
-        if t[c] <= 0 or len(out) >= top:
-            break
-        name = tree.labels[c]
-        if classify.is_sync_call(name):
-            continue
-        out.append({"name": name, "idle_us": float(t[c]) / 1000.0})
-    return out
-
-
-def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankReport, rules.RankFacts]:
+def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankReport, RankFacts]:
     steps = find_steps(rt, entry)
     lo, hi = window(rt)
     breakdown = step_breakdown(rt, steps)
@@ -162,10 +116,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
         kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
         memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
     )
-    facts = rules.RankFacts(
-        rank=rt.rank, steps=breakdown, gaps=gaps, tree=tree, step_numbers=steps.number,
-        host_idle_by_class=classes, diff=sd, runtime=ra, kernels=ka, comm=ca, pageable=_pageable(rt), has_gpu=gpu,
-        extra={"host_idle_items": _host_idle_items(tree, gaps)})
+    facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes)
     return rep, facts
 
 
@@ -174,34 +125,13 @@ def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankR
     return _analyse_rank(rt, entry, top)[0]
 
 
-def _straggler_context(cr: CrossRank, reports: list[RankReport], facts: list[rules.RankFacts]) -> None:
-    """Give each rank that waits for a straggler the context COMM_EXPOSED names."""
-    pos = {r.rank: i for i, r in enumerate(reports)}
-    for ev in cr.stragglers:
-        s = ev["straggler_rank"]
-        extra = [{"name": k["name"], "delta_us": k["delta_us"], "delta_calls": k["delta_calls"]}
-                 for k in (ev.get("differs") or {}).get("kernels", [])
-                 if k["cls"] == classify.COMPUTE and k["delta_calls"] > 0][:3]
-        for w in ev["waiting_ranks"]:
-            i = pos[w]
-            if "straggler" in facts[i].extra:
-                continue  # the first (worst) straggler it waits for
-            n = max(len(reports[i].steps), 1)
-            wait = float(ev["waited_us"].get(str(w), 0.0))
-            facts[i].extra["straggler"] = {
-                "waiting_rank": w, "straggler_rank": s, "wait_us": wait, "wait_per_step_us": wait / n,
-                "compute_gap_us": (ev["compute_per_step_us"] - ev["median_compute_per_step_us"]) * ev["steps"],
-                "extra_kernels": extra}
-
-
 def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
     """The full report of a capture as a JSON-ready dict."""
     pairs = [_analyse_rank(rt, entry, top) for rt in cap.ranks]
     ranks = [p[0] for p in pairs]
     facts = [p[1] for p in pairs]
-    cr = cross_rank(cap, ranks) if len(ranks) >= 2 else None
-    if cr is not None:
-        _straggler_context(cr, ranks, facts)
+    columns: dict = {}
+    cr = cross_rank(cap, ranks, columns=columns) if len(ranks) >= 2 else None
     cross = asdict(cr) if cr is not None else None
     return {
         "schema": SCHEMA,
@@ -210,5 +140,6 @@ def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
                     "sources": [r.source for r in cap.ranks]},
         "ranks": [asdict(r) for r in ranks],
         "cross_rank": cross,
-        "findings": rules.findings(facts, cross),
+        # causes (ranked by saving) explain symptoms; docs/findings.md
+        **diag_engine.diagnose(facts, cross, columns),
     }

@@ -15,9 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("analyze", help="analyse traces or a capture directory and print the report",
                        description="Analyse torch.profiler/Kineto traces (.json, .json.gz; one per rank, "
                                    "or a capture directory) and report steps, GPU time breakdown, "
-                                   "kernels and findings.")
+                                   "kernels and the causes of lost time.")
     p.add_argument("paths", nargs="+", metavar="PATH", help="trace file(s) or capture directory")
-    p.add_argument("--json", action="store_true", help="print the JSON report (schema aiprof.report/1) instead of text")
+    p.add_argument("--json", action="store_true", help="print the JSON report (schema aiprof.report/2) instead of text")
     p.add_argument("--out", metavar="DIR", help="also write report.json and report.txt into DIR")
     p.add_argument("--html", metavar="FILE", help="also write the UI's overview as one self-contained HTML file")
     p.add_argument("--entry", metavar="NAME", help="function/annotation that marks one iteration "

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="FILE")
     p.add_argument("--no-host", action="store_true", help="timeline formats: GPU, steps and counters only")
     p.add_argument("--what", choices=("gpu", "cpu"), default="gpu", help="folded: which graph (default gpu)")
-    p.add_argument("--no-findings", action="store_true", help="timeline formats: skip the findings track "
+    p.add_argument("--no-findings", action="store_true", help="timeline formats: skip the track of causes "
                    "(saves running the analyses)")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
     p.set_defaults(func=run)

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_server_options(p, "with --server: the job whose ranks all capture (--list shows the jobs; "
                           "default: the only live one)")
     p.add_argument("--auto-analyze", action="store_true",
-                   help="with --server: wait until the server has analysed the capture, print findings and the link")
+                   help="with --server: wait until the server has analysed the capture, print its causes and the link")
     p.add_argument("--hang", action="store_true",
                    help="with --server: stack snapshot of every rank of the job and hang analysis, no capture")
     p.set_defaults(func=run)
@@ -94,8 +94,8 @@ def run_server(args: argparse.Namespace) -> int:
             if res.get("ok") is False:
                 print(f"  rank {r}: {res.get('error')}")
         summary = (st.get("analysis") or {}).get("summary") or {}
-        for f in summary.get("findings") or []:
-            print(f"  [{f['severity']}] {f['code']}  {f['title']}")
+        for c in summary.get("causes") or []:
+            print(f"  [{c['severity']}] {c['code']}  saves {c.get('per_step_ms', 0.0):.1f} ms/step  {c['title']}")
         if st.get("error"):
             print(f"  error: {st['error']}")
         print(f"report: {st.get('url')}")

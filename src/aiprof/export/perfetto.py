@@ -2,7 +2,7 @@
 
 Layout: one process track per rank ("rank 0 · host"), under it one track per host thread
 (Python frames, torch ops, annotations, CUDA calls, nested), one per GPU stream (kernels,
-memcpy/memset), GPU-side annotations, "steps" and "findings" slices, and counter tracks
+memcpy/memset), GPU-side annotations, "steps" slices, a "findings" track of causes, and counter tracks
 (CUDA caching-allocator totals from ``[memory]`` events; hardware counters when the store has
 a ``hw`` table). Each CUDA launch has a flow arrow to the GPU work it launched.
 

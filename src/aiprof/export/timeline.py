@@ -44,7 +44,7 @@ class CounterTrack:
 
 @dataclass
 class Mark:
-    """An extra slice on a rank's "findings" track (e.g. a finding's time window)."""
+    """An extra slice on a rank's "findings" track (a cause's or a symptom's time window)."""
 
     rank: int
     start: int

@@ -1,4 +1,4 @@
-"""JSON report writer (schema aiprof.report/1, documented in docs/report.md)."""
+"""JSON report writer (schema aiprof.report/2, documented in docs/report.md)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Terminal report: renders a report dict (schema aiprof.report/1) with rich. Computes nothing."""
+"""Terminal report: renders a report dict (schema aiprof.report/2) with rich. Computes nothing."""
 from __future__ import annotations
 
 from typing import IO
@@ -53,20 +53,52 @@ def _ranks_table(report: dict) -> Table:
     return t
 
 
-def _findings(console: Console, findings: list[dict]) -> None:
-    if not findings:
-        console.print(Text("Findings: none", style="green"))
-        return
-    console.print(Text("Findings (most impact first)", style="bold"))
-    for i, f in enumerate(findings, 1):
-        sev = {"high": "bold red", "medium": "yellow", "low": "cyan"}.get(f.get("severity", ""), "")
-        where = f" · {f['where']}" if f.get("where") else ""
-        rank = f" · rank {f['rank']}" if f.get("rank") is not None else ""
-        step = f" · step {f['step']}" if f.get("step") is not None else ""
-        console.print(Text.assemble((f"{i}. [{f['severity']}] {f['code']}", sev),
-                                    f"  {f['title']}{rank}{step}{where}  (impact ≈{_ms(f.get('impact_us', 0))} ms)"))
-        if f.get("suggestion"):
-            console.print(f"   → {f['suggestion']}")
+def _causes(console: Console, report: dict) -> None:
+    """Causes first (ranked by saving), the symptoms each explains under it, then the symptoms
+    no cause explains. Everything here is computed by aiprof.diagnosis."""
+    causes = report.get("causes", [])
+    if not causes:
+        console.print(Text("Causes: none found (no fix would save 1% of a step)", style="green"))
+    else:
+        console.print(Text("Causes, by what fixing them saves (docs/findings.md)", style="bold"))
+    for i, c in enumerate(causes, 1):
+        sev = {"high": "bold red", "medium": "yellow", "low": "cyan"}.get(c.get("severity", ""), "")
+        sv = c.get("saving", {})
+        who = "job" if c.get("rank") is None else f"rank {c['rank']}"
+        step = sv.get("baseline_step_us") or 0.0
+        console.print(Text.assemble((f"{i}. [{c['severity']}] {c['code']}", sev), f" · {who} · saves ",
+                                    (f"{_ms(sv.get('per_step_us', 0.0))} ms per step", "bold"),
+                                    f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step)"))
+        console.print(f"   {c['title']}")
+        place = c.get("place") or {}
+        where = place.get("site") or place.get("name") or ""
+        if where:
+            console.print(f"   where: {where}" + (f" (steps {', '.join(map(str, place['steps']))})" if place.get("steps") else ""))
+        console.print(f"   why:   {c['mechanism']}")
+        console.print(f"   fix:   {c['remedy']}")
+        for sym in c.get("symptoms", [])[:4]:
+            console.print(f"   explains: {sym['title']} — {_ms(sym['explained_us'] / max(_steps_of(report, sym), 1))} ms per step of it")
+    orphans = [s for s in report.get("symptoms", []) if s.get("orphan")]
+    if orphans:
+        console.print(Text("Symptoms no cause explains", style="bold"))
+        for s in orphans:
+            rank = "job" if s.get("rank") is None else f"rank {s['rank']}"
+            console.print(f"   - {rank}: {s['title']} — {_ms(s['unexplained_us'] / max(_steps_of(report, s), 1))} ms per "
+                          "step unexplained; no detected mechanism accounts for it (see the hotspots and the step diff)")
+    for b in report.get("baseline", []):
+        un = b.get("unprofiled_step_us")
+        console.print(Text(f"rank {b['rank']}: recorded step {_ms(b['recorded_step_us'])} ms under the profiler; "
+                           + (f"unprofiled {_ms(un)} ms (measured by the agent before the capture)" if un else
+                              "unprofiled step not recorded (estimated by removing the profiler's cost)")
+                           + f"; savings are shares of the replayed {_ms(b['replayed_step_us'])} ms", style="dim"))
+
+
+def _steps_of(report: dict, item: dict) -> int:
+    """Steps the rank (or, for job-wide items, the first rank) analysed."""
+    for r in report.get("ranks", []):
+        if item.get("rank") in (None, r["rank"]):
+            return max(len(r["steps"]), 1)
+    return 1
 
 
 def render(report: dict, file: IO[str] | None = None, width: int | None = None) -> None:
@@ -96,7 +128,7 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         console.print()
     if len(ranks) > _MAX_RANK_DETAIL:
         console.print(f"({len(ranks) - _MAX_RANK_DETAIL} more ranks: see the JSON report)")
-    _findings(console, report.get("findings", []))
+    _causes(console, report)
 
 
 def _cross_rank(console: Console, cr: dict | None) -> None:

@@ -140,8 +140,10 @@ class AnalysisQueue:
                 summary = None
                 if rep:
                     summary = {"ranks": rep.get("capture", {}).get("ranks_found"),
-                               "findings": [{"code": f.get("code"), "severity": f.get("severity"), "title": f.get("title")}
-                                            for f in (rep.get("findings") or [])[:20]]}
+                               "causes": [{"code": c.get("code"), "severity": c.get("severity"), "title": c.get("title"),
+                                           "rank": c.get("rank"),
+                                           "per_step_ms": (c.get("saving") or {}).get("per_step_us", 0.0) / 1000.0}
+                                          for c in (rep.get("causes") or [])[:20]]}
 
                 def upd(s: dict) -> None:
                     s["state"] = "analysed" if err is None else "failed"

@@ -12,7 +12,6 @@ import numpy as np
 
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
-from aiprof.analysis.findings import JOB_WIDE_CODES
 from aiprof.analysis.hotspots import hotspots
 from aiprof.analysis.kernels import kernel_stats
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
@@ -23,6 +22,15 @@ from aiprof.errors import AiprofError
 from aiprof.trace.store import Capture, RankTrace
 
 MAX_ROWS = 5000  # rows a table endpoint returns at most
+
+
+def _concerns(cause: dict, rank: int) -> bool:
+    """A cause belongs on a rank's dashboard when it lives there, is job-wide, or is the
+    straggler's cause that this rank waits for."""
+    if cause.get("rank") in (None, rank):
+        return True
+    st = (cause.get("evidence") or {}).get("straggler")
+    return isinstance(st, dict) and rank in st.get("waiting_ranks", [])
 HW_GPU_UTIL = "gpu_util_pct"
 HW_CPU = ("cpu_util_pct", "proc_cpu_pct")
 
@@ -91,7 +99,7 @@ class CaptureData:
                        "step_source": r["step_source"], "steps": [s["step"] for s in r["steps"]],
                        "rows": r["rows"], "hw": timeseries.hw_path(self.rank(r["rank"])) is not None}
                       for r in rep["ranks"]],
-            "findings": len(rep["findings"]),
+            "causes": len(rep["causes"]),
             "memory_snapshot": self.memory_snapshot,
         }
 
@@ -127,8 +135,10 @@ class CaptureData:
         return {
             "rank": rt.rank, "device": rr["device"], "host": rr["host"], "step_source": rr["step_source"],
             "window": rr["window"], "summary": s,
-            "findings": [f for f in rep["findings"] if f.get("rank") in (None, rt.rank) or f["code"] in JOB_WIDE_CODES],
-            "all_findings": len(rep["findings"]),
+            "causes": [c for c in rep["causes"] if _concerns(c, rt.rank)],
+            "symptoms": [s for s in rep["symptoms"] if s.get("rank") in (None, rt.rank)],
+            "all_causes": len(rep["causes"]),
+            "baseline": next((b for b in rep.get("baseline", []) if b["rank"] == rt.rank), None),
             "gpu": {"busy_us": s.get("duration_us", 0.0) - s.get("idle_us", 0.0), "idle_us": s.get("idle_us", 0.0),
                     "busy_pct": s.get("gpu_busy_pct", 0.0)},
             "gpu_util": util,
@@ -197,19 +207,19 @@ class CaptureData:
                                                         "communication_total_us", "idle_us")} for st in rr["steps"]],
                          "communication": rr["communication"]})
         flagged = {}
-        for f in rep["findings"]:
-            ev = f.get("evidence") or {}
-            for src in (ev, ev.get("straggler") if isinstance(ev.get("straggler"), dict) else {}):
-                for key, role in (("straggler_rank", "straggler"), ("waiting_rank", "waiting")):
-                    if isinstance(src.get(key), int):
-                        flagged.setdefault(src[key], set()).add(role)
+        for c in rep["causes"]:
+            st = (c.get("evidence") or {}).get("straggler")
+            if isinstance(st, dict):
+                flagged.setdefault(int(st["rank"]), set()).add("straggler")
+                for w in st.get("waiting_ranks", []):
+                    flagged.setdefault(int(w), set()).add("waiting")
         cross = rep.get("cross_rank") or {}
         for k, v in (cross.get("flags") or {}).items():  # straggler / waiting / abnormal (analysis.ranks)
             flagged.setdefault(int(k), set()).update(v)
         return {"ranks": rows, "flags": {str(k): sorted(v) for k, v in flagged.items()},
                 "matrix": cross.get("matrix"), "missing_ranks": cross.get("missing_ranks", []),
-                "findings": [f for f in rep["findings"]
-                             if f["code"].startswith(("COMM", "STRAGGLER", "RANK", "ABNORMAL", "HANG"))]}
+                "causes": [c for c in rep["causes"] if c.get("rank") is None or "straggler" in (c.get("evidence") or {})],
+                "symptoms": [s for s in rep["symptoms"] if s["code"] in ("WAITING_RANK", "EXPOSED_COMM")]}
 
     # ------------------------------------------------------------------ timeline
     def lanes(self, r: int) -> dict:

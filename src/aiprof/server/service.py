@@ -13,7 +13,7 @@ POST     /api/v1/jobs/{job}/captures                     coordination: capture o
 POST     /api/v1/jobs/{job}/hang                         coordination: stack snapshot of every rank
 GET      /api/v1/captures[/{cid}]                        capture_routes: captures and their state
 POST     /api/v1/captures/{cid}/analyze                  capture_routes: (re)run the analysis
-GET      /api/v1/captures/{cid}/report                   capture_routes: the analysis (aiprof.report/1)
+GET      /api/v1/captures/{cid}/report                   capture_routes: the analysis (aiprof.report/2)
 GET|PUT  /api/v1/captures/{cid}/ranks/{r}/files/{name}   upload_routes: resumable, checksummed upload
 POST     /api/v1/hang/{sid}/ranks/{r}                    coordination: one rank's stacks
 GET      /api/v1/hang/{sid}                              coordination: a snapshot and its analysis

@@ -37,7 +37,7 @@ from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
 
-STORE_VERSION = 2  # bump when ingest output changes: old stores are re-ingested
+STORE_VERSION = 3  # bump when ingest output changes: old stores are re-ingested
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
@@ -139,7 +139,39 @@ def _fingerprint(path: str) -> dict:
     if hw:  # samples that appear or change beside the trace invalidate the store too
         hst = os.stat(hw)
         fp["hw"] = {"size": hst.st_size, "mtime_ns": hst.st_mtime_ns}
+    cm = _capture_meta_path(path)
+    if cm:  # so does the agent's meta.json (it holds the unprofiled step times)
+        cst = os.stat(cm)
+        fp["capture_meta"] = {"size": cst.st_size, "mtime_ns": cst.st_mtime_ns}
     return fp
+
+
+CAPTURE_META = "meta.json"
+CAPTURE_SCHEMA = "aiprof.capture/1"
+# What the analysis keeps of the agent's meta.json (the rest is for the service and the user).
+_CAPTURE_KEYS = ("capture_id", "origin", "trigger", "mode", "options", "steps", "device", "activities")
+
+
+def _capture_meta_path(trace_path: str) -> str | None:
+    p = os.path.join(os.path.dirname(os.path.abspath(trace_path)), CAPTURE_META)
+    return p if os.path.isfile(p) else None
+
+
+def read_capture_meta(trace_path: str) -> dict:
+    """The parts of the agent's ``meta.json`` beside a trace that the analysis uses (notably
+    ``steps.before_median_ms``, the unprofiled step time measured just before the capture);
+    {} when there is none or it is not an aiprof capture's."""
+    p = _capture_meta_path(trace_path)
+    if not p:
+        return {}
+    try:
+        with open(p, "rb") as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(m, dict) or m.get("schema") != CAPTURE_SCHEMA:
+        return {}
+    return {k: m[k] for k in _CAPTURE_KEYS if k in m}
 
 
 def _cache_root() -> Path:
@@ -220,6 +252,7 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
         except (OSError, UnicodeDecodeError, csv.Error) as exc:
             print(f"aiprof: warning: {hw}: hardware samples skipped ({exc})", file=sys.stderr)
     meta = _trace_meta(path, parsed.meta, parsed.tables, index)
+    meta["capture"] = read_capture_meta(path)
     meta["source"] = fp
     meta["rows"] = {name: len(t) for name, t in parsed.tables.items()}
     meta["events"] = parsed.n_events

@@ -1,4 +1,5 @@
-// Dashboard: SageMaker-Profiler-like panels, findings on top. Numbers come from /api/overview.
+// Dashboard: causes first (aiprof.diagnosis), then SageMaker-Profiler-like panels. Numbers come
+// from /api/overview; nothing here computes a number the report does not hold.
 import { api, STATIC } from '../api.js';
 import { chart, PALETTE } from '../charts.js';
 import { esc, us, pct, bytes, short, mid, h } from '../fmt.js';
@@ -35,20 +36,38 @@ function hbar(el, name, labels, values, fmt, color) {
   });
 }
 
+// Causes ranked by what fixing them saves (per step and as a share of the unprofiled step), each
+// with its place, remedy and the symptoms it explains; then the symptoms no cause explains.
+function causesPanel(d) {
+  const b = d.baseline || {};
+  const basis = b.unprofiled_step_us
+    ? `savings are per step and as a share of the ${us(b.replayed_step_us)} step replayed to match the ${us(b.unprofiled_step_us)} unprofiled step the agent measured (recorded under the profiler: ${us(b.recorded_step_us)})`
+    : (b.replayed_step_us ? `savings are per step and as a share of the ${us(b.replayed_step_us)} step estimated without the profiler's cost (recorded: ${us(b.recorded_step_us)})` : '');
+  const orphans = (d.symptoms || []).filter((s) => s.orphan);
+  return h(`<div class="findings" id="causes">
+    <h2>Causes <span class="count">${d.causes.length}</span></h2>
+    ${basis ? `<div class="hint" id="causes-basis">${esc(basis)}</div>` : ''}
+    ${d.causes.length ? '' : '<div class="hint" id="no-causes">No cause for this rank: no fix would save 1 % of a step.</div>'}
+    ${d.all_causes > d.causes.length ? `<div class="hint" id="causes-elsewhere">${d.all_causes - d.causes.length} more on other ranks: pick one above.</div>` : ''}
+    ${d.causes.map((c) => `<div class="finding cause ${SEV[c.severity] || ''}" data-code="${esc(c.code)}">
+      <div class="f-head"><span class="sev">${esc(c.severity)}</span> <code>${esc(c.code)}</code>
+        ${c.rank == null ? '<span class="tag">job</span>' : `<span class="tag">rank ${c.rank}</span>`}
+        <span class="impact" data-saving-us="${c.saving.per_step_us}">saves ${us(c.saving.per_step_us)} per step · ${pct(100 * c.saving.share)} of the step</span></div>
+      <div class="f-title">${esc(c.title)}</div>
+      ${c.place && (c.place.site || c.place.name) ? `<div class="f-where">where: <code>${esc(short(c.place.site || c.place.name, 160))}</code>${c.place.steps && c.place.steps.length ? ` · steps ${c.place.steps.join(', ')}` : ''}</div>` : ''}
+      <div class="f-why">why: ${esc(c.mechanism)}</div>
+      <div class="f-sugg">fix: ${esc(c.remedy)}</div>
+      ${(c.symptoms || []).length ? `<ul class="f-symptoms">${c.symptoms.map((s) => `<li data-symptom="${esc(s.code)}">explains ${esc(s.title)}${s.rank != null ? ` (rank ${s.rank})` : ''}</li>`).join('')}</ul>` : ''}
+    </div>`).join('')}
+    ${orphans.length ? `<div class="orphans" id="orphans"><h3>Symptoms no cause explains</h3>${orphans.map((s) => `<div class="finding orphan" data-symptom="${esc(s.code)}">${esc(s.title)} — ${us(s.unexplained_us / Math.max(1, (d.steps || []).length))} per step unexplained: no detected mechanism accounts for it; see the hotspots and the step diff.</div>`).join('')}</div>` : ''}
+  </div>`);
+}
+
 export default async function overview(root, { rank }) {
   const k0 = 15;
   const d = await api('overview', { rank, k: k0 });
   const s = d.summary || {};
-  root.appendChild(h(`<div class="findings" id="findings">
-    <h2>Findings <span class="count">${d.findings.length}</span></h2>
-    ${d.findings.length ? '' : '<div class="hint">No finding for this rank.</div>'}
-    ${d.all_findings > d.findings.length ? `<div class="hint" id="findings-elsewhere">${d.all_findings - d.findings.length} more on other ranks: pick one above.</div>` : ''}
-    ${d.findings.map((f) => `<div class="finding ${SEV[f.severity] || ''}" data-code="${esc(f.code)}">
-      <div class="f-head"><span class="sev">${esc(f.severity)}</span> <code>${esc(f.code)}</code> ${esc(f.title)}
-      <span class="impact">impact ${us(f.impact_us)}</span></div>
-      ${f.where ? `<div class="f-where">where: <code>${esc(short(f.where, 160))}</code></div>` : ''}
-      <div class="f-sugg">${esc(f.suggestion)}</div></div>`).join('')}
-  </div>`));
+  root.appendChild(causesPanel(d));
   root.appendChild(h(`<div class="kpis" id="kpis">
     <div class="kpi"><b id="kpi-steps">${s.steps ?? 0}</b><span>steps (${esc(d.step_source)})</span></div>
     <div class="kpi"><b id="kpi-median">${us(s.step_median_us)}</b><span>median step</span></div>

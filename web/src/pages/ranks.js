@@ -1,4 +1,4 @@
-// Ranks: rank x step heat map, flagged ranks (from the findings), collectives with bandwidth.
+// Ranks: rank x step heat map, flagged ranks (from the causes), collectives with bandwidth.
 import { api } from '../api.js';
 import { chart } from '../charts.js';
 import { esc, us, pct, bytes, h } from '../fmt.js';
@@ -9,7 +9,7 @@ export default async function ranks(root) {
   const d = await api('ranks');
   const steps = [...new Set(d.ranks.flatMap((r) => r.steps.map((s) => s.step)))].sort((a, b) => a - b);
   root.appendChild(h(`<div><h2>Ranks <label class="k">metric <select id="metric">${METRICS.map(([k, n]) => `<option value="${k}">${n}</option>`).join('')}</select></label></h2>
-    <div class="hint">Abnormal workers: the straggler and the ranks waiting for it are those named by the findings (cross-rank analysis).</div></div>`));
+    <div class="hint">Abnormal workers: the straggler and the ranks waiting for it are those the job's causes name (cross-rank analysis).</div></div>`));
   const el = h(`<div class="chart" id="c-heat" style="height:${Math.max(160, 60 + 40 * d.ranks.length)}px"></div>`);
   root.appendChild(el);
   const draw = (m) => {
@@ -33,7 +33,8 @@ export default async function ranks(root) {
       <td>${(d.flags[r.rank] || []).map((f) => `<span class="badge ${f}">${f}</span>`).join(' ')}</td><td>${r.summary.steps ?? 0}</td>
       <td class="num">${us(r.summary.step_median_us)}</td><td class="num">${us(r.summary.compute_us)}</td><td class="num">${us(r.summary.communication_us)}</td>
       <td class="num">${us(r.summary.communication_total_us)}</td><td class="num">${pct(r.summary.gpu_busy_pct)}</td></tr>`).join('')}</tbody></table>`));
-  for (const f of d.findings) root.appendChild(h(`<div class="finding sev-${esc(f.severity)}"><div class="f-head"><code>${esc(f.code)}</code> ${esc(f.title)}</div><div class="f-sugg">${esc(f.suggestion)}</div></div>`));
+  for (const c of d.causes) root.appendChild(h(`<div class="finding cause sev-${esc(c.severity)}" data-code="${esc(c.code)}"><div class="f-head"><code>${esc(c.code)}</code> ${esc(c.title)} <span class="impact">saves ${us(c.saving.per_step_us)} per step · ${pct(100 * c.saving.share)}</span></div><div class="f-sugg">fix: ${esc(c.remedy)}</div></div>`));
+  for (const s of d.symptoms) root.appendChild(h(`<div class="finding symptom" data-symptom="${esc(s.code)}">${esc(s.title)}${s.explained_by.length ? '' : ' — no cause found'}</div>`));
   root.appendChild(h('<h3>Communication by collective</h3>'));
   const rows = d.ranks.flatMap((r) => (r.communication.groups || []).map((g) => ({ rank: r.rank, link: r.communication.link, ...g })));
   root.appendChild(rows.length ? h(`<table class="tbl" id="comm-table"><thead><tr><th>rank</th><th>collective</th><th>group</th><th>size</th><th>calls</th><th>bytes/call</th><th>total</th><th>mean</th><th>algbw GB/s</th><th>busbw GB/s</th><th>link</th></tr></thead><tbody>

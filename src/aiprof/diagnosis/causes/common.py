@@ -1,0 +1,108 @@
+"""Helpers shared by the cause detectors: names, sites, and the GPU-idle time a region explains."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from aiprof.analysis.hotspots import OP, PYTHON, is_library_frame
+from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.model import GPU_IDLE, Claim
+
+NS_PER_US = 1000.0
+
+
+def ms(ns: float) -> str:
+    """A duration in ns as '12.3 ms' (or µs below a millisecond)."""
+    return f"{ns / 1e6:.1f} ms" if abs(ns) >= 1e6 else f"{ns / 1e3:.0f} µs"
+
+
+def pct(x: float) -> str:
+    return f"{100.0 * x:.0f}%" if x >= 0.1 else f"{100.0 * x:.1f}%"
+
+
+def biggest_node(f: RankFacts, mask: np.ndarray) -> int:
+    """The longest node of the mask (-1 when empty): the representative occurrence."""
+    idx = np.nonzero(mask)[0]
+    if not len(idx):
+        return -1
+    return int(idx[np.argmax(f.tree.end[idx] - f.tree.start[idx])])
+
+
+def site_and_stack(f: RankFacts, node: int) -> tuple[str, list[str]]:
+    """The user's frame and the Python stack (outermost first, last 6) of a node."""
+    if node < 0:
+        return "", []
+    return f.tree.user_site(node), f.tree.stack(node)[-6:]
+
+
+def outermost(f: RankFacts, mask: np.ndarray) -> np.ndarray:
+    """Nodes of the mask with no ancestor in the mask."""
+    out = mask.copy()
+    if not out.any():
+        return out
+    cur = f.tree.parent.copy()
+    active = out & (cur >= 0)
+    while active.any():
+        idx = np.nonzero(active)[0]
+        hit = mask[cur[idx]]
+        out[idx[hit]] = False
+        nxt = f.tree.parent[cur[idx]]
+        cur[idx] = nxt
+        active[idx] = ~hit & (nxt >= 0)
+    return out
+
+
+def idle_claim(f: RankFacts, region: np.ndarray, extra_gap_mask: np.ndarray | None = None) -> list[Claim]:
+    """The GPU-idle time (recorded, µs) whose innermost host event lies in ``region`` (a node
+    mask from ``f.under``), as a claim on the GPU_IDLE symptom."""
+    gp = f.gaps
+    if not len(gp.start) or not len(region):
+        return []
+    has = gp.node >= 0
+    m = np.zeros(len(gp.start), dtype=bool)
+    m[has] = region[gp.node[has]]
+    if extra_gap_mask is not None:
+        m |= extra_gap_mask
+    us = float(gp.dur[m].sum()) / NS_PER_US
+    return [Claim(GPU_IDLE, f.rank, us)] if us > 0 else []
+
+
+def steps_with(f: RankFacts, nodes: np.ndarray) -> list[int]:
+    """Step numbers in which any of the nodes starts."""
+    idx = f.steps.index_of(f.tree.start[nodes]) if nodes.any() else np.zeros(0, np.int64)
+    idx = idx[idx >= 0]
+    return sorted({int(f.steps.number[i]) for i in idx})
+
+
+def python_frame(name: str) -> tuple[str, str]:
+    """('file.py', 'function') of a Python frame label 'path/file.py(12): function'."""
+    m = re.match(r"(.*?)\(\d+\): (.*)$", name)
+    if not m:
+        return "", name
+    return m.group(1).rsplit("/", 1)[-1], m.group(2)
+
+
+def user_python(f: RankFacts) -> np.ndarray:
+    """Mask of Python frames that are the user's own code (not a library, not the interpreter)."""
+    return f.node_mask(lambda s: not is_library_frame(s) and "(" in s and not s.startswith("<"), (PYTHON,))
+
+
+def ops_mask(f: RankFacts) -> np.ndarray:
+    return f.tree.kind == OP if len(f.tree) else np.zeros(0, dtype=bool)
+
+
+def offload_edit(f: RankFacts, nodes: np.ndarray, code: str, workers: int = 1):
+    """The fix "run this host work elsewhere, ahead of the GPU": its host time leaves the
+    training thread's lane, but the step cannot get shorter than that work divided among
+    ``workers`` (it still has to be done once per step). Returns (edit, work ns per step)."""
+    e = f.edit(code)
+    u = f.union_of_nodes(nodes)
+    e.gap_remove += f.gap_time_in(u)
+    # the same work, in replay units: the recorded time inside the nodes, scaled as the lane is
+    g = f.graph
+    raw = np.maximum(g.gap_raw, 0)
+    scale = float(np.maximum(g.gap, 0).sum() / raw.sum()) if raw.sum() > 0 else 1.0
+    work = u.covered(np.array([g.lo]), np.array([g.hi]))[0] * scale / max(len(f.steps), 1)
+    e.min_step_ns = work / max(workers, 1)
+    return e, work

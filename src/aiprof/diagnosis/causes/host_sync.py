@@ -1,0 +1,115 @@
+"""HOST_SYNC: reading GPU values on the host (``.item()``, ``.cpu()``, ``.tolist()``, ``print``)
+or an explicit ``torch.cuda.synchronize()`` inside the step.
+
+Mechanism: a read of a GPU value blocks the host until every kernel queued before it has run;
+the GPU then has nothing queued until the host launches again. One read per step at the end
+costs little; one per parameter tensor (per-tensor logging), or a read followed by host work,
+drains the queue over and over.
+
+Evidence: blocking calls grouped by the user's line that made them, with their count per step.
+Fix priced: per-tensor reads become one (the values stacked on the GPU, copied once); a read
+per step no longer blocks (kept on the GPU, or copied asynchronously and read later).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from aiprof.analysis.hotspots import OP
+from aiprof.analysis.runtime import is_scalar_read
+from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
+from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.model import Cause, Place
+
+CODE = "HOST_SYNC"
+# At least this many reads per step from one line is the per-tensor pattern (one per parameter
+# or per layer), whose fix is to stack the values and copy once.
+PER_TENSOR_MIN = 8
+# Syncs made by the profiler itself, or by aiprof, are not the job's.
+_OWN_FRAMES = ("torch/profiler/", "torch/autograd/profiler", "aiprof/")
+
+
+def detect(f: RankFacts) -> list[Cause]:
+    g = f.graph
+    waits = np.nonzero((g.a_wait >= 0) & (g.a_row >= 0))[0]
+    if not len(waits):
+        return []
+    nodes = f.action_nodes()[waits]
+    ok = nodes >= 0
+    waits, nodes = waits[ok], nodes[ok]
+    ops = f.tree.nearest(nodes, OP)
+    # ops that copy host memory to the GPU: their syncs are PAGEABLE_COPY's (a write, not a read)
+    h2d_ops = set()
+    m = f.rt.memops
+    if g.n_ops and len(m):
+        names = m.strings("name")
+        h2d = np.array(["HtoD" in s for s in names.labels] + [False])
+        mem = np.nonzero(g.o_table == 1)[0]
+        hit = mem[h2d[names.codes[g.o_row[mem]]]]
+        an = f.action_nodes()[g.o_action[hit]]
+        h2d_ops = set(f.tree.nearest(an[an >= 0], OP).tolist()) - {-1}
+    groups: dict[tuple[str, str], list[int]] = {}
+    stacks: dict[tuple[str, str], int] = {}
+    for k, (a, n, o) in enumerate(zip(waits, nodes, ops)):
+        if int(o) in h2d_ops:
+            continue
+        stack = f.tree.stack(int(n))
+        if any(s.startswith(_OWN_FRAMES) for s in stack):
+            continue
+        call = g.action_name(int(a))
+        op = f.tree.labels[f.tree.code[o]] if o >= 0 else ""
+        # syncs outside a read of a GPU value and outside torch.cuda.synchronize are not this
+        # mechanism (cudaFree, cuDNN's search, a pageable copy: other detectors own them)
+        explicit = any("synchronize" in s for s in stack[-3:]) or (not op and "Synchronize" in call and not stack)
+        if not (op and is_scalar_read(op)) and not explicit:
+            continue
+        site = f.tree.user_site(int(n))
+        # a backend thread's own copies (gloo staging a tensor, NCCL's watchdog) are not the
+        # job's reads: only the training thread's, or one a user frame made
+        if not site and f.tree.tid[n] != f.tree.main_tid:
+            continue
+        key = (site, op or call)
+        groups.setdefault(key, []).append(int(a))
+        stacks.setdefault(key, int(n))
+    out = []
+    per = max(len(f.steps), 1)
+    for (site, what), acts in groups.items():
+        acts_a = np.array(acts)
+        calls_per_step = len(acts_a) / per
+        e = f.edit(CODE)
+        if calls_per_step >= PER_TENSOR_MIN:
+            # one copy per step remains: keep the last read of each step
+            st = f.steps.index_of(g.a_ts[acts_a])
+            last = np.array([acts_a[st == s][-1] for s in np.unique(st)])
+            drop = np.setdiff1d(acts_a, last)
+            e.no_wait[drop] = True
+            e.cost_remove[drop] = g.cost[drop]
+            e.drop_op[np.isin(g.o_action, drop)] = True
+            pattern = "per-tensor"
+            remedy = (f"Keep the values on the GPU and copy them once per step: collect them with torch.stack(...) "
+                      f"(or torch._foreach_norm for norms) and call .cpu()/.tolist() once, instead of "
+                      f"{calls_per_step:.0f} separate reads at {site or 'this line'}; or log them every N steps.")
+        else:
+            e.no_wait[acts_a] = True
+            pattern = "per-step"
+            remedy = (f"Do not block on the GPU at {site or 'this line'} every step: keep the value on the GPU and "
+                      "read it every N steps, or copy it with .to('cpu', non_blocking=True) into pinned memory and "
+                      "read it after a CUDA event, once the step's work is queued.")
+        node = stacks[(site, what)]
+        _, stack = site_and_stack(f, node)
+        region = f.under(np.isin(np.arange(len(f.tree)), f.action_nodes()[acts_a]))
+        op_nodes = f.tree.nearest(f.action_nodes()[acts_a], OP)
+        if (op_nodes >= 0).any():
+            region |= f.under(np.isin(np.arange(len(f.tree)), op_nodes[op_nodes >= 0]))
+        wait_ns = float(np.clip(g.o_end[g.a_wait[acts_a]] - g.a_ts[acts_a], 0, None).sum())
+        label = what.replace("aten::_local_scalar_dense", ".item()").replace("aten::item", ".item()")
+        out.append(Cause(
+            code=CODE, rank=f.rank,
+            title=(f"{calls_per_step:.0f} blocking {label} per step at {site or 'an unknown site'} wait for the GPU "
+                   f"({ms(wait_ns / per)} of host waiting per step)"),
+            mechanism=("Each read of a GPU value blocks the host until the GPU has run everything queued before it; "
+                       "the GPU then has nothing to do until the host queues more work."),
+            remedy=remedy, place=Place("python" if site else "op", label, site, stack),
+            evidence={"call": g.action_name(int(acts_a[0])), "op": what, "site": site, "calls": len(acts_a),
+                      "calls_per_step": calls_per_step, "host_wait_us": wait_ns / 1e3, "pattern": pattern},
+            edit=e, region=region, claims=idle_claim(f, region)))
+    return out

@@ -1,0 +1,72 @@
+"""LAUNCH_BOUND: the host cannot launch kernels as fast as the GPU runs them.
+
+Mechanism: every eager op costs Python, dispatch and a kernel launch on the host (several
+microseconds, more under the profiler); when the kernels are short, the GPU finishes each
+before the next is queued and idles between them. CUDA graphs (torch.cuda.graphs, or
+torch.compile(mode="reduce-overhead")) record the launches once and replay them with one call.
+
+Evidence: GPU-idle time while the host dispatches ops and launches kernels, outside the regions
+more specific causes own (a for-loop optimizer, host syncs, data loading, pure-Python work).
+Fix priced: the host time of op dispatch, module Python and launches in the remaining region
+removed, its kernels launched from a graph (spaced by the measured graph gap).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from aiprof.analysis.hotspots import OP, PYTHON
+from aiprof.diagnosis.causes.common import idle_claim, ms
+from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.graph import LAUNCH
+from aiprof.diagnosis.model import Cause, Place
+
+CODE = "LAUNCH_BOUND"
+# Spacing of consecutive kernels replayed from a CUDA graph: 0.26 µs median measured on the lent
+# H100 (2,000 one-element kernels in a graph, bench/diagnosis/gpu_pairs.py calibration).
+GRAPH_KERNEL_GAP_NS = 260.0
+# Frames that a graph capture replaces: torch's module machinery and the model's forward code.
+_GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_tensor.py", "torch/functional.py")
+
+
+def detect(f: RankFacts) -> list[Cause]:
+    g = f.graph
+    if not f.has_gpu or not g.n_ops:
+        return []
+    claimed = f.extra.get("claimed_nodes")
+    claimed = claimed if claimed is not None and len(claimed) == len(f.tree) else np.zeros(len(f.tree), dtype=bool)
+    ops = f.tree.kind == OP if len(f.tree) else np.zeros(0, dtype=bool)
+    graphable = (ops | f.node_mask(lambda s: s.startswith(_GRAPHABLE_FRAMES), (PYTHON,))) & ~claimed
+    if not graphable.any():
+        return []
+    region = f.under(graphable) & ~claimed
+    acts = f.actions_in(region) & (g.a_kind == LAUNCH) & (g.a_wait < 0)
+    if not acts.any():
+        return []
+    e = f.edit(CODE)
+    e.cost_remove[acts] = g.cost[acts]
+    e.gap_remove += np.where(f.actions_in(claimed), 0.0, f.gap_time_in(f.union_of_nodes(graphable & ~f.under(claimed))))
+    e.packed[acts[g.o_action]] = True
+    e.packed_gap_ns = GRAPH_KERNEL_GAP_NS
+    claims = idle_claim(f, region)
+    if not claims:
+        return []
+    per = max(len(f.steps), 1)
+    n_launch = int(acts.sum())
+    kd = g.o_dur[acts[g.o_action]]
+    compiled = any(s.startswith(("Torch-Compiled Region", "CompiledFunction")) for s in f.tree.labels)
+    remedy = ("Replay the step's launches from a CUDA graph: torch.compile(model, mode=\"reduce-overhead\")"
+              if compiled else
+              "Capture the forward (or the whole step) once as a CUDA graph and replay it: torch.cuda.graphs / "
+              "torch.cuda.make_graphed_callables, or torch.compile(model, mode=\"reduce-overhead\"), which also fuses "
+              "small ops") + "; static input shapes and no host syncs inside the captured region are required."
+    return [Cause(
+        code=CODE, rank=f.rank,
+        title=(f"the host launches kernels slower than the GPU runs them: {n_launch / per:.0f} launches per step, "
+               f"median kernel {float(np.median(kd)) / 1e3:.1f} µs, the GPU idles {ms(claims[0].us * 1e3 / per)} "
+               "per step between them"),
+        mechanism=("Each eager op costs Python, dispatch and a launch on the host; short kernels finish before "
+                   "the next launch arrives, so the GPU waits for the host."),
+        remedy=remedy, place=Place("step", "model forward/backward", "", [], []),
+        evidence={"launches_per_step": n_launch / per, "median_kernel_us": float(np.median(kd)) / 1e3,
+                  "graph_kernel_gap_ns": GRAPH_KERNEL_GAP_NS, "compiled": compiled},
+        edit=e, claims=claims)]

@@ -1,0 +1,221 @@
+"""The diagnosis: facts -> symptoms and causes -> priced, linked, ranked (docs/diagnosis.md).
+
+Per rank: build the facts once (with the replay graph, calibrated to the unprofiled step), run
+every cause detector, price each cause by replaying the rank with its fix, link causes to the
+symptoms they explain. Across ranks: the straggler's cause explains the others' waits.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+
+from aiprof.analysis.breakdown import StepBreakdown
+from aiprof.analysis.comm import CommAnalysis
+from aiprof.analysis.hotspots import Gaps, HostTree
+from aiprof.analysis.kernels import KernelAnalysis
+from aiprof.analysis.runtime import RuntimeAnalysis
+from aiprof.analysis.steps import Steps
+from aiprof.diagnosis import causes as registry
+from aiprof.diagnosis.causes import grad_accum, straggler
+from aiprof.diagnosis.facts import RankFacts, calibrate_host
+from aiprof.diagnosis.graph import build_graph
+from aiprof.diagnosis.job import (
+    JOINT_MAX_RANKS,
+    attach_collectives,
+    job_step_ns,
+    joint_replay,
+)
+from aiprof.diagnosis.model import (
+    MIN_REPORTED_SHARE,
+    SLOW_STEP,
+    Cause,
+    Symptom,
+    severity_of,
+)
+from aiprof.diagnosis.profiler_cost import DEFAULT, ProfilerCost
+from aiprof.diagnosis.replay import Edit, combine, replay
+from aiprof.diagnosis.symptoms import rank_symptoms
+from aiprof.trace.store import RankTrace
+
+NS_PER_US = 1000.0
+# A cause explains a slow step when its fix saves at least this share of that step's extra time.
+SLOW_STEP_EXPLAINED_SHARE = 0.5
+# A symptom left mostly unexplained (at least this share of the step) is shown on its own.
+ORPHAN_MIN_SHARE = 0.05
+
+
+def unprofiled_step_ms(rt: RankTrace) -> float | None:
+    """The step time the agent measured just before this capture (no profiler), if recorded."""
+    steps = (rt.meta.get("capture") or {}).get("steps") or {}
+    v = steps.get("before_median_ms")
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if v > 0 else None
+
+
+def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree: HostTree, gaps: Gaps,
+               runtime: RuntimeAnalysis, kernels: KernelAnalysis, comm: CommAnalysis, has_gpu: bool,
+               host_idle_by_class: dict, profiler: ProfilerCost = DEFAULT) -> RankFacts:
+    """Assemble one rank's facts: the replay graph, deflated by the profiler's cost and scaled to
+    the unprofiled step time where the capture knows it, and its baseline replay."""
+    g = build_graph(rt, steps, profiler)
+    n = max(len(steps), 1)
+    recorded = float(sum(s.duration_us for s in breakdown)) * NS_PER_US / n if breakdown else 0.0
+    un = unprofiled_step_ms(rt)
+    scale = calibrate_host(g, un * 1e6) if un and g.n_actions else (1.0, 1.0)
+    base = replay(g)
+    return RankFacts(rt=rt, steps=steps, breakdown=breakdown, tree=tree, gaps=gaps, graph=g, base=base, runtime=runtime,
+                     kernels=kernels, comm=comm, has_gpu=has_gpu, recorded_step_ns=recorded,
+                     unprofiled_step_ns=un * 1e6 if un else None, host_scale=scale,
+                     extra={"host_idle_by_class": host_idle_by_class})
+
+
+class Pricer:
+    """Prices a cause's fix by replay: on its rank alone, or, for a job whose ranks are coupled
+    by collectives, by the joint replay of every rank (the job's step is the slowest rank's)."""
+
+    def __init__(self, facts: list[RankFacts], coupled: bool) -> None:
+        self.facts = facts
+        self.coupled = coupled and len(facts) <= JOINT_MAX_RANKS
+        self._job_base = job_step_ns(joint_replay(facts)) if self.coupled else 0.0
+
+    def _step(self, f: RankFacts, edit: Edit | None, others: dict | None = None) -> tuple[float, np.ndarray]:
+        """Mean step with ``edit`` on ``f``'s rank (and ``others``' edits on theirs: a change made
+        on every rank), the job's when coupled; and f's steps."""
+        floor = edit.min_step_ns if edit is not None else 0.0
+        if self.coupled:
+            edits = dict(others or {})
+            if edit is not None:
+                edits[f.rank] = edit
+            res = joint_replay(self.facts, edits or None)
+            return max(job_step_ns(res), floor), res[f.rank].step_ns
+        r = replay(f.graph, edit)
+        return max(r.per_step_ns, floor), r.step_ns
+
+    def price(self, f: RankFacts, c: Cause, given: list | None = None, others: dict | None = None) -> None:
+        """The cause's saving: replayed step without its fix minus with it. With ``given`` (other
+        causes' edits) the saving is marginal: what the fix still saves once those are fixed."""
+        if c.edit is None:
+            c.saving = {"method": "none", "per_step_us": 0.0, "share": 0.0, "total_us": 0.0}
+            return
+        ref_step = self._job_base if self.coupled else f.base.per_step_ns
+        base_step, base_steps = ref_step, f.base.step_ns
+        edit = c.edit
+        if given:
+            prior = combine(f.graph, given)
+            base_step, base_steps = self._step(f, prior)
+            edit = combine(f.graph, given + [c.edit])
+        fixed, fixed_steps = self._step(f, edit, others)
+        save = max(base_step - fixed, 0.0)
+        by_step = (base_steps - fixed_steps) if len(base_steps) == len(fixed_steps) else np.zeros(0)
+        c.saving = {
+            "method": "joint replay" if self.coupled else "replay",
+            "per_step_us": save / NS_PER_US,
+            "share": save / ref_step if ref_step > 0 else 0.0,
+            "total_us": save * len(f.steps) / NS_PER_US,
+            "marginal_to": [e.label for e in given] if given else [],
+            "baseline_step_us": ref_step / NS_PER_US,
+            "fixed_step_us": (ref_step - save) / NS_PER_US,
+            "recorded_step_us": f.recorded_step_ns / NS_PER_US,
+            "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
+            "by_step_us": {int(s): float(v) / NS_PER_US for s, v in zip(f.steps.number, by_step)},
+        }
+
+
+def diagnose_rank(f: RankFacts, pricer: Pricer | None = None) -> tuple[list[Cause], list[Symptom]]:
+    """Every cause detector on one rank, each cause priced; and the rank's symptoms."""
+    pricer = pricer or Pricer([f], False)
+    found: list[Cause] = []
+    claimed = np.zeros(len(f.tree), dtype=bool)
+    for det in registry.RANK_DETECTORS:
+        generic = det in registry.GENERIC
+        if generic:
+            f.extra["claimed_nodes"] = claimed
+        for c in det.detect(f):
+            # a generic remedy is priced once the specific causes are fixed: CUDA graphs would
+            # also hide an unfused optimizer's launches, but fusing it is the fix for that
+            pricer.price(f, c, [s.edit for s in found if s.edit is not None and s.rank == f.rank] if generic else None)
+            found.append(c)
+            if c.region is not None and len(c.region) == len(claimed):
+                claimed |= c.region
+    return found, rank_symptoms(f)
+
+
+def _link(causes: list[Cause], symptoms: list[Symptom], facts_by_rank: dict[int, RankFacts]) -> None:
+    """Attach each cause's claims to the symptoms; slow steps go to the causes whose fix saves
+    most of the step's extra time."""
+    by_key: dict[tuple, list[Symptom]] = {}
+    for s in symptoms:
+        by_key.setdefault((s.code, s.rank), []).append(s)
+    for c in causes:
+        for cl in c.claims:
+            for s in by_key.get((cl.symptom, cl.rank), []):
+                s.explained_by.append({"cause": c.id, "us": min(cl.us, s.us)})
+        for s in by_key.get((SLOW_STEP, c.rank), []):
+            by_step = c.saving.get("by_step_us") or {}
+            # what the fix saves in the slow steps beyond what it saves in a typical step
+            typical = float(np.median(list(by_step.values()))) if by_step else 0.0
+            saved = sum(by_step.get(int(n), 0.0) - typical for n in s.detail["steps"])
+            if saved >= SLOW_STEP_EXPLAINED_SHARE * s.us:
+                s.explained_by.append({"cause": c.id, "us": min(saved, s.us)})
+    for s in symptoms:
+        s.unexplained_us = max(0.0, s.us - sum(e["us"] for e in s.explained_by))
+
+
+def cause_dict(c: Cause) -> dict:
+    """A cause as the report's JSON (edit and region are internal)."""
+    d = {k: v for k, v in asdict(c).items() if k not in ("edit", "region")}
+    return d
+
+
+def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | None = None) -> dict:
+    """Causes and symptoms of every rank, priced and linked, causes ranked by saving; with
+    several ranks, collectives couple the pricing and the straggler's cause explains the waits."""
+    coupled = len(facts) >= 2 and columns is not None and attach_collectives(facts, columns)
+    pricer = Pricer(facts, coupled)
+    causes: list[Cause] = []
+    symptoms: list[Symptom] = []
+    for f in facts:
+        cs, ss = diagnose_rank(f, pricer)
+        causes += cs
+        symptoms += ss
+    if coupled:
+        causes += grad_accum.detect_job(facts, pricer)
+    if cross:
+        cs, ss = straggler.causes(facts, cross, causes, pricer)
+        causes += cs
+        symptoms += ss
+    causes = [c for c in causes if c.saving.get("share", 0.0) >= MIN_REPORTED_SHARE
+              or c.evidence.get("always_reported")]
+    causes.sort(key=lambda c: -c.saving.get("per_step_us", 0.0))
+    for i, c in enumerate(causes):
+        c.id = f"{c.code}@{'job' if c.rank is None else c.rank}#{i}"
+        c.severity = severity_of(c.saving.get("share", 0.0))
+    for i, s in enumerate(symptoms):
+        s.id = f"{s.code}@{'job' if s.rank is None else s.rank}#{i}"
+    _link(causes, symptoms, {f.rank: f for f in facts})
+    by_id = {c.id: c for c in causes}
+    for s in symptoms:
+        for e in s.explained_by:
+            by_id[e["cause"]].__dict__.setdefault("_symptoms", []).append(
+                {"id": s.id, "code": s.code, "rank": s.rank, "title": s.title, "explained_us": e["us"],
+                 "share": e["us"] / s.us * s.share if s.us else 0.0})
+    out_causes = []
+    for c in causes:
+        d = cause_dict(c)
+        d["symptoms"] = c.__dict__.get("_symptoms", [])
+        out_causes.append(d)
+    baseline = [{"rank": f.rank, "recorded_step_us": f.recorded_step_ns / NS_PER_US,
+                 "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
+                 "replayed_step_us": f.base.per_step_ns / NS_PER_US,
+                 "profiler_cost_scale": f.host_scale[0], "host_scale": f.host_scale[1],
+                 "profiler_cost_us": f.graph.deflated_ns / max(len(f.steps), 1) / NS_PER_US,
+                 "coupled": bool(coupled),
+                 "launch_latency_us": f.graph.launch_latency_ns / NS_PER_US} for f in facts]
+    return {"causes": out_causes,
+            "symptoms": [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE}
+                         for s in symptoms],
+            "baseline": baseline}

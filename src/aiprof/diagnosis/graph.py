@@ -1,0 +1,355 @@
+"""The dependency graph of a rank's analysed steps, for the what-if replay (docs/diagnosis.md).
+
+What decides when a step ends is a small set of dependencies, and the trace holds all of them:
+
+* **The host lane.** Every CUDA runtime/driver call is an *action*. Host threads are merged into
+  one lane ordered by time (the training thread, the autograd thread and the collective threads
+  hand work to each other; they rarely launch in parallel). Between two actions the host does
+  *intrinsic* work (Python, op dispatch): its duration is kept, minus the profiler's own cost.
+* **Launches.** A kernel/copy starts when its stream is free, its launch call has been made
+  (plus the launch latency measured on this trace) and any cross-stream wait is satisfied.
+* **Blocking calls.** A sync call (device/stream/event synchronize, ``cudaFree``, a synchronous
+  copy) returns once the GPU op it waited for has finished, plus its own cost.
+* **Steps.** A marker action at the start of every step, so the replay can time each step.
+
+:func:`build_graph` turns a :class:`~aiprof.trace.store.RankTrace` into these arrays once;
+:mod:`aiprof.diagnosis.replay` simulates them, with or without a cause's edit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aiprof.analysis.launch import launch_rows
+from aiprof.analysis.steps import Steps
+from aiprof.diagnosis.profiler_cost import DEFAULT, MIN_KEPT_SHARE, ProfilerCost
+from aiprof.trace import classify
+from aiprof.trace.store import RankTrace
+
+OTHER, LAUNCH, SYNC, STEP, END, COLL_START, COLL_END = 0, 1, 2, 3, 4, 5, 6
+# CPU and GPU timestamps come from different clocks that CUPTI aligns to within microseconds:
+# a sync is taken to have waited for an op that ended at most this long after it returned.
+SYNC_CLOCK_TOL_NS = 5_000
+# Launch latency when the trace has no op that started on an idle stream (typical of CUDA on
+# Hopper with a warm context: a few microseconds from the launch call to the kernel's start).
+DEFAULT_LAUNCH_LATENCY_NS = 5_000.0
+# The launch latency is the fastest launch-to-start this trace shows on an idle stream: a low
+# percentile, so that ops delayed by other work on the GPU do not inflate it; with fewer samples
+# than this the default above is used.
+LATENCY_PERCENTILE = 10
+MIN_LATENCY_SAMPLES = 5
+# Calls that wait for every GPU op issued before them: explicit device syncs, and freeing
+# device memory, which the CUDA runtime does only after the device is idle.
+DEVICE_WIDE_WAITS = frozenset({"cudaDeviceSynchronize", "cuCtxSynchronize", "cudaFree", "cuMemFree", "cudaFreeHost",
+                               "cuMemFreeHost", "cudaFreeArray"})
+# Copy calls: they block when the copy involves pageable memory or is synchronous by API.
+_COPY_PREFIXES = ("cudaMemcpy", "cuMemcpy")
+
+
+def _base(name: str) -> str:
+    return name.split("_v", 1)[0] if name.startswith("cu") else name
+
+
+@dataclass
+class Graph:
+    """One rank's analysed window as a replayable graph (times in ns on the rank's clock)."""
+
+    rank: int
+    lo: int  # window start (first step's start)
+    hi: int  # window end (last step's end)
+    step_number: np.ndarray  # step numbers, in order
+    # actions, in host order
+    a_ts: np.ndarray
+    a_end: np.ndarray
+    a_kind: np.ndarray  # OTHER | LAUNCH | SYNC | STEP | END
+    a_row: np.ndarray  # runtime row (-1 for markers)
+    a_wait: np.ndarray  # op awaited before the action returns (-1: none)
+    a_name: list[str]  # runtime call name per distinct code (a_code indexes it)
+    a_code: np.ndarray
+    gap: np.ndarray  # intrinsic host ns before the action (deflated); may be negative (overlap)
+    cost: np.ndarray  # the action's own host ns, waiting excluded (deflated)
+    gap_raw: np.ndarray  # the same, as profiled
+    cost_raw: np.ndarray
+    over: np.ndarray  # profiler cost of the events recorded in each gap (per-event model, ns)
+    rt_over: np.ndarray  # profiler cost inside each call
+    # GPU ops, in launch order
+    o_action: np.ndarray  # launching action
+    o_stream: np.ndarray
+    o_dur: np.ndarray
+    o_ts: np.ndarray  # original start
+    o_end: np.ndarray  # original end
+    o_delay: np.ndarray  # unexplained extra delay before the op started (kept by the replay)
+    o_table: np.ndarray  # 0 kernels, 1 memops
+    o_row: np.ndarray  # row in that table
+    o_deps: dict = field(default_factory=dict)  # op -> [ops on other streams it waits for]
+    launch_latency_ns: float = DEFAULT_LAUNCH_LATENCY_NS
+    profiler: ProfilerCost = DEFAULT
+    alpha: float = 0.0  # multiplier of the per-event profiler cost applied (see deflate)
+    beta: float = 1.0  # uniform host-time scale applied on top
+    # collectives matched across ranks (job id per action/op, -1: none)
+    a_coll: np.ndarray | None = None  # COLL_START / COLL_END markers of host-side collectives
+    o_coll: np.ndarray | None = None  # GPU collective kernels
+    c_others: dict = field(default_factory=dict)  # id -> latest other rank's arrival (this rank's clock)
+    c_transfer: dict = field(default_factory=dict)  # id -> ns the collective takes once all arrived
+
+    @property
+    def deflated_ns(self) -> float:
+        """Host ns removed as the profiler's cost over the window."""
+        pos = self.gap_raw > 0
+        return float((self.gap_raw[pos] - self.gap[pos]).sum() + (self.cost_raw - self.cost).sum())
+
+    def deflate(self, alpha: float, beta: float = 1.0) -> None:
+        """Set the replayed host time: the recorded gaps and call costs minus ``alpha`` times the
+        profiler's per-event cost (never below MIN_KEPT_SHARE of the recording), times ``beta``.
+        alpha = 1 is the measured per-event model; the calibration fits alpha, then beta, to the
+        unprofiled step time when the capture knows it."""
+        pos = self.gap_raw > 0
+        gap = self.gap_raw.copy()
+        gap[pos] = np.maximum(self.gap_raw[pos] - alpha * self.over[pos], MIN_KEPT_SHARE * self.gap_raw[pos]) * beta
+        cost = np.maximum(self.cost_raw - alpha * self.rt_over, MIN_KEPT_SHARE * self.cost_raw) * beta
+        self.gap, self.cost, self.alpha, self.beta = gap, cost, alpha, beta
+
+    @property
+    def n_actions(self) -> int:
+        return len(self.a_ts)
+
+    @property
+    def n_ops(self) -> int:
+        return len(self.o_dur)
+
+    def action_name(self, i: int) -> str:
+        c = int(self.a_code[i])
+        return self.a_name[c] if c >= 0 else ""
+
+    def ops_of_rows(self, table: int, rows: np.ndarray) -> np.ndarray:
+        """Op indices of the given rows of the kernels (0) or memops (1) table."""
+        m = (self.o_table == table) & np.isin(self.o_row, rows)
+        return np.nonzero(m)[0]
+
+
+def _host_event_starts(rt: RankTrace, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+    """Start times inside the window of recorded torch ops/annotations, Python function events
+    and builtin (C function) events; and whether input shapes were recorded."""
+    parts = []
+    shapes = False
+    for name in ("ops", "annotations"):
+        t = rt.table(name)
+        if len(t):
+            ts = t["ts"]
+            keep = (ts >= lo) & (ts < hi)
+            if name == "annotations":
+                keep &= ~t["gpu"]
+            if name == "ops" and "input_dims" in t:
+                dims = t.strings("input_dims")
+                shapes = any(s not in ("", "[]") for s in dims.labels)
+            parts.append(ts[keep])
+    ops = np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+    py = rt.table("python")
+    if not len(py):
+        z = np.zeros(0, np.int64)
+        return ops, z, z, shapes
+    keep = (py["ts"] >= lo) & (py["ts"] < hi)
+    builtin = py.strings("name").isin_labels(lambda s: s.startswith("<built-in"))
+    return ops, np.sort(py["ts"][keep & ~builtin]), np.sort(py["ts"][keep & builtin]), shapes
+
+
+@dataclass
+class RankCollectives:
+    """This rank's collectives matched across the job: job-wide id, recorded start/end, whether
+    they run on the host (a backend thread: gloo) or as GPU kernels, and the coupling facts."""
+
+    ids: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    host: bool
+    others: dict  # id -> latest arrival of the other ranks (ns, this rank's clock; recorded)
+    transfer: dict  # id -> ns from the last arrival to the end (the last arriver's duration)
+
+
+def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
+                colls: RankCollectives | None = None) -> Graph:
+    """The replay graph of ``rt`` over its analysed steps (see the module docstring); with
+    ``colls``, collectives couple it to the other ranks."""
+    lo = int(steps.start.min()) if len(steps) else 0
+    hi = int(steps.end.max()) if len(steps) else 0
+    r = rt.runtime
+    if len(r):
+        rmask = (r["ts"] >= lo) & (r["ts"] < hi)
+        rrows = np.nonzero(rmask)[0]
+        names = r.strings("name")
+        r_ts, r_end, r_code = r["ts"][rrows], (r["ts"] + r["dur"])[rrows], names.codes[rrows].astype(np.int64)
+        labels = list(names.labels)
+    else:
+        rrows = np.zeros(0, np.int64)
+        r_ts = r_end = r_code = np.zeros(0, np.int64)
+        labels = []
+    # markers: one per step start, one at the window end, and a start and an end marker per
+    # host-side collective
+    n_st = len(steps)
+    m_ts = np.concatenate([steps.start.astype(np.int64), [hi]])
+    m_kind = np.concatenate([np.full(n_st, STEP, np.int8), [END]]).astype(np.int8)
+    m_coll = np.full(len(m_ts), -1, np.int64)
+    if colls is not None and colls.host and len(colls.ids):
+        inw = (colls.start >= lo) & (colls.start < hi)
+        cs, ce, ci = colls.start[inw], np.minimum(colls.end[inw], hi), colls.ids[inw]
+        m_ts = np.concatenate([m_ts, cs, ce])
+        m_kind = np.concatenate([m_kind, np.full(len(cs), COLL_START, np.int8), np.full(len(ce), COLL_END, np.int8)])
+        m_coll = np.concatenate([m_coll, ci, ci])
+    a_ts = np.concatenate([r_ts, m_ts])
+    a_end = np.concatenate([r_end, m_ts])
+    a_kind = np.concatenate([np.full(len(rrows), OTHER, np.int8), m_kind])
+    a_row = np.concatenate([rrows, np.full(len(m_ts), -1, np.int64)])
+    a_code = np.concatenate([r_code, np.full(len(m_ts), -1, np.int64)])
+    a_coll = np.concatenate([np.full(len(rrows), -1, np.int64), m_coll])
+    # markers sort before calls starting at the same instant (the step starts, then its first call)
+    order = np.lexsort((a_row >= 0, a_ts))
+    a_ts, a_end, a_kind, a_row, a_code, a_coll = (a_ts[order], a_end[order], a_kind[order], a_row[order],
+                                                  a_code[order], a_coll[order])
+    act_of_row = np.full(len(r), -1, np.int64)
+    real = a_row >= 0
+    act_of_row[a_row[real]] = np.nonzero(real)[0]
+
+    # GPU ops launched by the window's calls
+    o_parts = []
+    for ti, tname in enumerate(("kernels", "memops")):
+        g = rt.table(tname)
+        if not len(g):
+            continue
+        lr = launch_rows(r, g) if len(r) else np.full(len(g), -1, np.int64)
+        ok = lr >= 0
+        act = np.full(len(g), -1, np.int64)
+        act[ok] = act_of_row[lr[ok]]
+        sel = np.nonzero(act >= 0)[0]
+        if len(sel):
+            o_parts.append((ti, sel, act[sel], g["stream"][sel], g["ts"][sel], g["dur"][sel]))
+    if o_parts:
+        o_table = np.concatenate([np.full(len(p[1]), p[0], np.int8) for p in o_parts])
+        o_row = np.concatenate([p[1] for p in o_parts])
+        o_action = np.concatenate([p[2] for p in o_parts])
+        o_stream = np.concatenate([p[3] for p in o_parts]).astype(np.int64)
+        o_ts = np.concatenate([p[4] for p in o_parts]).astype(np.int64)
+        o_dur = np.concatenate([p[5] for p in o_parts]).astype(np.float64)
+        order = np.lexsort((o_ts, o_action))
+        o_table, o_row, o_action, o_stream, o_ts, o_dur = (o_table[order], o_row[order], o_action[order],
+                                                           o_stream[order], o_ts[order], o_dur[order])
+    else:
+        o_table = np.zeros(0, np.int8)
+        o_row = o_action = o_stream = o_ts = np.zeros(0, np.int64)
+        o_dur = np.zeros(0)
+    o_end = o_ts + o_dur.astype(np.int64)
+    n_act, n_op = len(a_ts), len(o_dur)
+    a_kind[np.unique(o_action)] = LAUNCH
+
+    # which op each blocking call waited for
+    a_wait = np.full(n_act, -1, np.int64)
+    is_dev = np.array([_base(s) in DEVICE_WIDE_WAITS for s in labels] + [False], dtype=bool)
+    is_sync = np.array([classify.is_sync_call(s) for s in labels] + [False], dtype=bool)
+    is_copy = np.array([s.startswith(_COPY_PREFIXES) for s in labels] + [False], dtype=bool)
+    code = np.where(a_code >= 0, a_code, len(labels))
+    if n_op:
+        # ops launched by earlier actions, by end time, to find the one a sync returned after
+        by_end = np.argsort(o_end, kind="stable")
+        ends_sorted = o_end[by_end]
+        # latest end among ops launched by actions before i (prefix max over launch order)
+        pre_max = np.maximum.accumulate(o_end)
+        # prefix argmax: the latest op that reached the running maximum
+        pre_arg = np.maximum.accumulate(np.where(o_end == pre_max, np.arange(n_op), 0))
+        first_op_after = np.searchsorted(o_action, np.arange(n_act), side="left")  # ops of actions >= i
+        for i in np.nonzero((is_sync[code] | is_dev[code]) & (a_row >= 0))[0]:
+            k = first_op_after[i]  # ops [0, k) were launched before action i
+            if k == 0:
+                continue
+            if is_dev[code[i]]:
+                a_wait[i] = pre_arg[k - 1]
+                continue
+            # the latest-ending earlier op that ended before the call returned
+            pos = np.searchsorted(ends_sorted, a_end[i] + SYNC_CLOCK_TOL_NS, side="right") - 1
+            while pos >= 0 and o_action[by_end[pos]] >= i:
+                pos -= 1
+            if pos >= 0 and pre_max[k - 1] > 0:
+                a_wait[i] = by_end[pos]
+        # synchronous copies: the call returned only after its own copy finished
+        last_op = np.full(n_act, -1, np.int64)
+        last_op[o_action] = np.arange(n_op)
+        cp = np.nonzero(is_copy[code] & (last_op >= 0))[0]
+        # a copy call that was still running when its copy started is a synchronous copy: it
+        # returns when the (pageable) copy it paces has finished
+        blocking = cp[(a_end[cp] + SYNC_CLOCK_TOL_NS >= o_end[last_op[cp]]) | (o_ts[last_op[cp]] < a_end[cp])]
+        a_wait[blocking] = last_op[blocking]
+    a_kind[(a_wait >= 0) & (a_kind != LAUNCH)] = SYNC
+
+    # cross-stream waits: after cudaStreamWaitEvent, the next op waits for the other streams'
+    # work issued before the call (kept only where the recorded start agrees)
+    o_deps: dict = {}
+    if n_op:
+        wev = np.nonzero(np.array([s.startswith(("cudaStreamWaitEvent", "cuStreamWaitEvent")) for s in labels] + [False])[code])[0]
+        for i in wev:
+            j = np.searchsorted(o_action, i, side="right")
+            if j >= n_op:
+                continue
+            before = np.nonzero((o_action[:j] < i) & (o_stream[:j] != o_stream[j]))[0]
+            deps = []
+            for s in np.unique(o_stream[before]):
+                last = before[o_stream[before] == s][-1]
+                if o_ts[j] + SYNC_CLOCK_TOL_NS >= o_end[last]:
+                    deps.append(int(last))
+            if deps:
+                have = o_deps.setdefault(int(j), [])
+                have.extend(d for d in deps if d not in have)
+
+    # launch latency and unexplained delays, from the recorded starts. The first op of each
+    # stream may have queued behind work launched before the window: no delay is kept for it
+    # (the replay starts from an idle GPU, as a steady loop's step does on average).
+    prev_end = np.full(n_op, np.iinfo(np.int64).min // 2, np.int64)
+    first = np.zeros(n_op, dtype=bool)
+    for s in np.unique(o_stream):
+        idx = np.nonzero(o_stream == s)[0]
+        prev_end[idx[1:]] = o_end[idx[:-1]]
+        first[idx[0]] = True
+    launch_ts = a_ts[o_action] if n_op else np.zeros(0, np.int64)
+    free = (prev_end < launch_ts) & (o_ts >= launch_ts) & ~first
+    lat = float(np.percentile(o_ts[free] - launch_ts[free], LATENCY_PERCENTILE)) if free.sum() >= MIN_LATENCY_SAMPLES \
+        else DEFAULT_LAUNCH_LATENCY_NS
+    ready = np.maximum(prev_end, launch_ts + lat)
+    for j, deps in o_deps.items():
+        ready[j] = max(ready[j], max(o_end[d] for d in deps))
+    o_delay = np.where(first, 0, np.maximum(o_ts - ready, 0)).astype(np.float64)
+
+    # host time: gaps between actions (merged lane) and each call's own cost, then deflation
+    cursor = np.maximum.accumulate(a_end)
+    prev_cursor = np.concatenate([[lo], cursor[:-1]])
+    gap_raw = (a_ts - prev_cursor).astype(np.float64)
+    wait_raw = np.zeros(n_act)
+    w = a_wait >= 0
+    if w.any():
+        wait_raw[w] = np.clip(o_end[a_wait[w]] - a_ts[w], 0, a_end[w] - a_ts[w])
+    cost_raw = (a_end - a_ts).astype(np.float64) - wait_raw
+    ops_ts, py_ts, bi_ts, shapes = _host_event_starts(rt, lo, hi)
+
+    def per_gap(ts: np.ndarray) -> np.ndarray:  # events by the gap they started in (gap i ends at action i)
+        return np.bincount(np.searchsorted(a_ts, ts, side="left"), minlength=n_act + 1)[:n_act]
+
+    over = (per_gap(ops_ts) * (profiler.op_shapes_ns if shapes else profiler.op_ns)
+            + per_gap(py_ts) * profiler.python_ns + per_gap(bi_ts) * profiler.builtin_ns)
+    gap_raw[a_kind == COLL_END] = 0.0  # the time before a collective's end is waiting for it
+    rt_over = np.where(a_row >= 0, profiler.runtime_ns, 0.0)
+    o_coll = np.full(n_op, -1, np.int64)
+    if colls is not None and not colls.host and len(colls.ids) and n_op:
+        # GPU collectives: the kernel that starts when the collective does
+        by_ts = np.argsort(o_ts, kind="stable")
+        pos_ = np.searchsorted(o_ts[by_ts], colls.start)
+        for k, p_ in enumerate(pos_):
+            for q in (p_, p_ - 1):
+                if 0 <= q < n_op and abs(int(o_ts[by_ts[q]]) - int(colls.start[k])) <= SYNC_CLOCK_TOL_NS // 5:
+                    o_coll[by_ts[q]] = colls.ids[k]
+                    break
+    graph = Graph(rank=rt.rank, lo=lo, hi=hi, step_number=steps.number.copy(), a_ts=a_ts, a_end=a_end, a_kind=a_kind,
+                 a_row=a_row, a_wait=a_wait, a_name=labels, a_code=a_code, gap=gap_raw.copy(), cost=cost_raw.copy(),
+                 gap_raw=gap_raw, cost_raw=cost_raw, over=over, rt_over=rt_over, o_action=o_action, o_stream=o_stream, o_dur=o_dur, o_ts=o_ts, o_end=o_end,
+                 o_delay=o_delay, o_table=o_table, o_row=o_row, o_deps=o_deps, launch_latency_ns=lat,
+                 profiler=profiler, a_coll=a_coll, o_coll=o_coll,
+                 c_others=dict(colls.others) if colls is not None else {},
+                 c_transfer=dict(colls.transfer) if colls is not None else {})
+    graph.deflate(1.0)
+    return graph

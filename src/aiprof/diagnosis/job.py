@@ -1,0 +1,135 @@
+"""Several ranks: collectives couple the replays, and the straggler's cause explains the waits.
+
+A collective ends once every rank has arrived plus its transfer time (the last arriver's own
+duration), so a rank that arrives late makes every other rank wait. The joint replay runs each
+rank's replay with the others' arrivals, then again with the new arrivals, until they settle: a
+fix on one rank then shows up as the waiting it removes on all the others. The job's step is the
+slowest rank's (the ranks of one job cannot drift apart).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from aiprof.diagnosis.facts import RankFacts, fit_deflation
+from aiprof.diagnosis.graph import RankCollectives, build_graph
+from aiprof.diagnosis.replay import Edit, ReplayResult, replay
+
+# Joint replay: at most this many rounds; it stops once no arrival moves more than the tolerance.
+JOINT_MAX_ROUNDS = 12
+JOINT_TOL_NS = 1_000.0
+# Above this many ranks a fix is priced on its own rank with the others' arrivals as recorded
+# (the others are unchanged by it), not by the joint replay.
+JOINT_MAX_RANKS = 64
+
+
+def _host_comm_ends(rt, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """When each host-side collective's communication ended: a backend thread copies the tensor
+    off the GPU, waits for the peers (the longest quiet gap among its calls inside the
+    collective) and copies the result back; the communication ends at the first call after that
+    gap (the collective's end when it made no calls)."""
+    a, r = rt.annotations, rt.runtime
+    out = end.copy()
+    if not len(a) or not len(r):
+        return out
+    tid_of = dict(zip(a["ts"].tolist(), a["tid"].tolist()))
+    rts, rtid = r["ts"], r["tid"]
+    order = np.argsort(rts, kind="stable")
+    rts, rtid = rts[order], rtid[order]
+    for k, (s0, e0) in enumerate(zip(start, end)):
+        tid = tid_of.get(int(s0))
+        lo, hi = np.searchsorted(rts, s0), np.searchsorted(rts, e0)
+        ts = rts[lo:hi][rtid[lo:hi] == tid] if tid is not None else rts[:0]
+        if len(ts) >= 2:
+            gaps = np.diff(ts)
+            out[k] = ts[int(np.argmax(gaps)) + 1]
+    return out
+
+
+def attach_collectives(facts: list[RankFacts], columns: dict) -> bool:
+    """Rebuild each rank's graph with its matched collectives and recalibrate it; False when
+    the job has no matched collectives (the ranks are then priced independently)."""
+    idx = columns.get("rank_index") or {}
+    colls = columns.get("collectives") or {}
+    off = columns.get("offset_ns") or {}
+    if not idx or not colls:
+        return False
+    ranks = [f.rank for f in facts if f.rank in idx and f.rank in colls]
+    if len(ranks) < 2:
+        return False
+    n_col = len(next(iter(idx.values())))
+    start = np.full((len(ranks), n_col), np.nan)
+    end = np.full((len(ranks), n_col), np.nan)
+    ends = {}
+    for i, r in enumerate(ranks):
+        ix = idx[r]
+        ok = ix >= 0
+        rc = colls[r]
+        f = next(x for x in facts if x.rank == r)
+        ends[r] = _host_comm_ends(f.rt, rc.start, rc.end) if rc.side == "cpu" else rc.end
+        start[i, ok] = rc.start[ix[ok]] + off.get(r, 0.0)
+        end[i, ok] = ends[r][ix[ok]] + off.get(r, 0.0)
+    with np.errstate(invalid="ignore"):
+        transfer = np.nanmin(end - start, axis=0)
+    for i, r in enumerate(ranks):
+        f = next(x for x in facts if x.rank == r)
+        ix = idx[r]
+        ok = np.nonzero(ix >= 0)[0]
+        others = np.delete(start, i, axis=0)
+        with np.errstate(invalid="ignore"):
+            latest = np.nanmax(others, axis=0) if len(others) else np.full(n_col, np.nan)
+        have = ok[~np.isnan(latest[ok]) & ~np.isnan(transfer[ok])]
+        rc = colls[r]
+        rcol = RankCollectives(ids=have.astype(np.int64), start=rc.start[ix[have]], end=ends[r][ix[have]],
+                               host=rc.side == "cpu",
+                               others={int(c): float(latest[c] - off.get(r, 0.0)) for c in have},
+                               transfer={int(c): float(max(transfer[c], 0.0)) for c in have})
+        f.graph = build_graph(f.rt, f.steps, f.graph.profiler, rcol)
+        f.extra["offset_ns"] = off.get(r, 0.0)
+    coupled = [f for f in facts if f.rank in ranks]
+    targets = [f.unprofiled_step_ns for f in coupled if f.unprofiled_step_ns]
+    scale = calibrate_joint(coupled, float(np.median(targets))) if targets else (1.0, 1.0)
+    res = joint_replay(coupled)
+    for f in coupled:
+        f.host_scale = scale
+        f.base = res[f.rank]
+    return True
+
+
+def calibrate_joint(facts: list[RankFacts], target_step_ns: float) -> tuple[float, float]:
+    """One deflation for all coupled ranks so that the joint replay's job step matches the
+    unprofiled step the agents measured (each rank's alone cannot: it would wait for the others'
+    recorded, still profiled, arrivals)."""
+    def at(alpha: float, beta: float) -> float:
+        for f in facts:
+            f.graph.deflate(alpha, beta)
+        return job_step_ns(joint_replay(facts))
+
+    return fit_deflation(at, target_step_ns)
+
+
+def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -> dict[int, ReplayResult]:
+    """Replay every rank with the others' arrivals until they settle (see the module docstring)."""
+    edits = edits or {}
+    off = {f.rank: f.extra.get("offset_ns", 0.0) for f in facts}
+    release = {f.rank: dict(f.graph.c_others) for f in facts}
+    res: dict[int, ReplayResult] = {}
+    for _ in range(JOINT_MAX_ROUNDS):
+        res = {f.rank: replay(f.graph, edits.get(f.rank), release[f.rank]) for f in facts}
+        moved = 0.0
+        for f in facts:
+            r = f.rank
+            new = {}
+            for c, old in release[r].items():
+                arr = [res[q].arrivals[c] + off[q] for q in res if q != r and c in res[q].arrivals]
+                v = max(arr) - off[r] if arr else old
+                new[c] = v
+                moved = max(moved, abs(v - old))
+            release[r] = new
+        if moved <= JOINT_TOL_NS:
+            break
+    return res
+
+
+def job_step_ns(res: dict[int, ReplayResult]) -> float:
+    """The job's mean step: the slowest rank's."""
+    return max(r.per_step_ns for r in res.values()) if res else 0.0

@@ -1,0 +1,187 @@
+"""What-if replay: simulate a rank's graph, with or without a cause's edit (Daydream-style).
+
+The simulation walks the host lane in order. Each action starts after the intrinsic host time
+before it; a launch puts its GPU ops on their streams (an op starts when its stream is free,
+the launch has happened plus the launch latency, and its cross-stream dependencies are done);
+a blocking call returns when the op it waits for has finished, plus its own cost. The window
+ends when both the host and the GPU are done.
+
+An :class:`Edit` says what the fix changes: host time removed, calls that no longer wait, GPU
+ops removed or shortened, ops packed back to back (a CUDA graph). A cause's saving is the
+replayed window without the edit minus with it. With the default profiler deflation the
+unedited replay estimates the *unprofiled* step (see :mod:`aiprof.diagnosis.profiler_cost`);
+with ``ProfilerCost.none()`` it reproduces the recorded timeline (tests check both).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aiprof.diagnosis.graph import COLL_END, COLL_START, END, STEP, Graph
+
+
+@dataclass
+class Edit:
+    """Changes a fix makes to a graph. Arrays are per action (``a_*``) or per op (``o_*``)."""
+
+    label: str = ""
+    gap_remove: np.ndarray | None = None  # host ns removed from the gap before each action
+    cost_remove: np.ndarray | None = None  # host ns removed from each action's own cost
+    no_wait: np.ndarray | None = None  # bool: the action no longer blocks on its op
+    drop_op: np.ndarray | None = None  # bool: the GPU op is not run at all
+    op_dur: np.ndarray | None = None  # new GPU duration (NaN: unchanged)
+    packed: np.ndarray | None = None  # bool: launched from a CUDA graph: no launch latency, and
+    packed_gap_ns: float = 0.0  # it follows the previous op of its stream after this gap
+    # the fixed step cannot be shorter than this (work moved to another thread or process still
+    # has to be done once per step there)
+    min_step_ns: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_graph(cls, g: Graph, label: str = "") -> Edit:
+        """An edit with every array present and neutral, for detectors to fill in."""
+        return cls(label=label, gap_remove=np.zeros(g.n_actions), cost_remove=np.zeros(g.n_actions),
+                   no_wait=np.zeros(g.n_actions, dtype=bool), drop_op=np.zeros(g.n_ops, dtype=bool),
+                   op_dur=np.full(g.n_ops, np.nan), packed=np.zeros(g.n_ops, dtype=bool))
+
+
+def combine(g: Graph, edits: list[Edit], label: str = "") -> Edit:
+    """One edit that applies all of ``edits`` (removals add up, flags OR, durations: the last)."""
+    out = Edit.for_graph(g, label)
+    for e in edits:
+        if e.gap_remove is not None:
+            out.gap_remove += e.gap_remove
+        if e.cost_remove is not None:
+            out.cost_remove += e.cost_remove
+        if e.no_wait is not None:
+            out.no_wait |= e.no_wait
+        if e.drop_op is not None:
+            out.drop_op |= e.drop_op
+        if e.packed is not None:
+            out.packed |= e.packed
+            out.packed_gap_ns = max(out.packed_gap_ns, e.packed_gap_ns)
+        if e.op_dur is not None:
+            m = ~np.isnan(e.op_dur)
+            out.op_dur[m] = e.op_dur[m]
+        out.min_step_ns = max(out.min_step_ns, e.min_step_ns)
+    out.cost_remove = np.minimum(out.cost_remove, g.cost)
+    return out
+
+
+@dataclass
+class ReplayResult:
+    total_ns: float  # first step's start until host and GPU are both done
+    step_ns: np.ndarray  # per step, between replayed step starts (the last ends with the window)
+    host_ns: float  # until the host's last action returned
+    gpu_busy_ns: float  # summed GPU op time (ops may overlap across streams)
+    steps: int
+    arrivals: dict = field(default_factory=dict)  # collective id -> when this rank arrived (abs ns)
+
+    @property
+    def per_step_ns(self) -> float:
+        return self.total_ns / max(self.steps, 1)
+
+
+def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, starts: list | None = None,
+           op_ends: list | None = None) -> ReplayResult:
+    """Simulate ``g`` (optionally with ``edit`` applied) and time the window.
+
+    A collective completes once every rank has arrived, then takes its transfer time: the other
+    ranks' arrivals come from ``release`` (id -> ns on this rank's clock, from a joint replay) or,
+    without it, from the recording.
+    """
+    n_act, n_op = g.n_actions, g.n_ops
+    gap = g.gap if edit is None or edit.gap_remove is None else g.gap - np.minimum(edit.gap_remove, np.maximum(g.gap, 0))
+    cost = g.cost if edit is None or edit.cost_remove is None else np.maximum(g.cost - edit.cost_remove, 0.0)
+    dur = g.o_dur.copy()
+    if edit is not None and edit.op_dur is not None:
+        m = ~np.isnan(edit.op_dur)
+        dur[m] = edit.op_dur[m]
+    drop = edit.drop_op if edit is not None and edit.drop_op is not None else np.zeros(n_op, dtype=bool)
+    packed = edit.packed if edit is not None and edit.packed is not None else np.zeros(n_op, dtype=bool)
+    no_wait = edit.no_wait if edit is not None and edit.no_wait is not None else np.zeros(n_act, dtype=bool)
+    pgap = edit.packed_gap_ns if edit is not None else 0.0
+    # plain lists: the loop below indexes them once per event
+    gap_l, cost_l, kind_l, wait_l, nowait_l = gap.tolist(), cost.tolist(), g.a_kind.tolist(), g.a_wait.tolist(), no_wait.tolist()
+    oact, ostream, odelay = g.o_action.tolist(), g.o_stream.tolist(), g.o_delay.tolist()
+    dur_l, drop_l, packed_l = dur.tolist(), drop.tolist(), packed.tolist()
+    deps = g.o_deps
+    lat = g.launch_latency_ns
+    acoll = g.a_coll.tolist() if g.a_coll is not None else [-1] * n_act
+    ocoll = g.o_coll.tolist() if g.o_coll is not None else [-1] * n_op
+    others = release if release is not None else g.c_others
+    transfer = g.c_transfer
+    arrivals: dict[int, float] = {}
+    lo = float(g.lo)
+    gend = [0.0] * n_op
+    tails: dict[int, float] = {}
+    cursor = prev_start = lo
+    gpu_end = lo
+    busy = 0.0
+    step_t: list[float] = []
+    j = 0
+    for i in range(n_act):
+        start = cursor + gap_l[i]
+        start = max(start, prev_start)
+        if starts is not None:
+            starts.append(start)
+        k = kind_l[i]
+        if k == STEP:
+            step_t.append(start)
+        elif k == END:
+            cursor = max(cursor, start)
+            break
+        elif k == COLL_START:
+            arrivals[acoll[i]] = start
+        elif k == COLL_END:
+            c = acoll[i]
+            if nowait_l[i]:  # the fix skips this collective
+                prev_start = start
+                continue
+            arr = arrivals.get(c, start)
+            done = max(arr, others.get(c, arr)) + transfer.get(c, 0.0)
+            end = max(start, done)
+            cursor = max(cursor, end)
+            prev_start = start
+            continue
+        while j < n_op and oact[j] == i:
+            if drop_l[j]:
+                gend[j] = start
+                j += 1
+                continue
+            s = ostream[j]
+            tail = tails.get(s, -1e30)
+            if packed_l[j]:
+                ready = max(tail + pgap, start)
+            else:
+                ready = max(tail, start + lat)
+                dl = deps.get(j)
+                if dl:
+                    for d in dl:
+                        ready = max(ready, gend[d])
+                ready += odelay[j]
+            c = ocoll[j]
+            if c >= 0 and c in transfer:
+                arrivals[c] = ready
+                e = max(ready, others.get(c, ready)) + transfer[c]
+            else:
+                e = ready + dur_l[j]
+            tails[s] = e
+            gend[j] = e
+            busy += dur_l[j]
+            gpu_end = max(gpu_end, e)
+            j += 1
+        end = start + cost_l[i]
+        w = wait_l[i]
+        if w >= 0 and not nowait_l[i] and gend[w] > start:
+            end = gend[w] + cost_l[i]
+        cursor = max(cursor, end)
+        prev_start = start
+    if op_ends is not None:
+        op_ends.extend(gend)
+    total = max(cursor, gpu_end) - lo
+    st = np.array(step_t, dtype=np.float64)
+    step_ns = np.diff(np.append(st, lo + total)) if len(st) else np.array([total])
+    return ReplayResult(total_ns=total, step_ns=step_ns, host_ns=cursor - lo, gpu_busy_ns=busy,
+                        steps=max(len(st), 1), arrivals=arrivals)

@@ -1,0 +1,135 @@
+"""The what-if replay on small graphs whose answers are worked out by hand, and on real traces."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aiprof.diagnosis.graph import COLL_END, COLL_START, END, LAUNCH, OTHER, STEP, SYNC, Graph, build_graph
+from aiprof.diagnosis.job import joint_replay
+from aiprof.diagnosis.profiler_cost import ProfilerCost
+from aiprof.diagnosis.replay import Edit, combine, replay
+
+US = 1000.0
+
+
+def graph(actions: list[tuple], ops: list[tuple], lat: float = 0.0, **kw) -> Graph:
+    """actions: (kind, gap_us, cost_us, wait_op); ops: (action, stream, dur_us). Times in µs."""
+    n, m = len(actions), len(ops)
+    kind = np.array([a[0] for a in actions], np.int8)
+    gap = np.array([a[1] * US for a in actions])
+    cost = np.array([a[2] * US for a in actions])
+    g = Graph(rank=kw.get("rank", 0), lo=0, hi=0, step_number=np.array([0]), a_ts=np.arange(n), a_end=np.arange(n),
+              a_kind=kind, a_row=np.where((kind == LAUNCH) | (kind == SYNC) | (kind == OTHER), 1, -1),
+              a_wait=np.array([a[3] for a in actions], np.int64), a_name=["call"], a_code=np.zeros(n, np.int64),
+              gap=gap, cost=cost, gap_raw=gap.copy(), cost_raw=cost.copy(), over=np.zeros(n), rt_over=np.zeros(n),
+              o_action=np.array([o[0] for o in ops], np.int64), o_stream=np.array([o[1] for o in ops], np.int64),
+              o_dur=np.array([o[2] * US for o in ops]), o_ts=np.zeros(m, np.int64), o_end=np.zeros(m, np.int64),
+              o_delay=np.zeros(m), o_table=np.zeros(m, np.int8), o_row=np.arange(m), launch_latency_ns=lat * US,
+              a_coll=kw.get("a_coll", np.full(n, -1, np.int64)), o_coll=kw.get("o_coll", np.full(m, -1, np.int64)),
+              c_others=kw.get("others", {}), c_transfer=kw.get("transfer", {}))
+    return g
+
+
+def test_host_bound_chain():
+    # step, then 3 launches 10 µs apart each costing 2 µs, kernels of 1 µs: the host decides
+    g = graph([(STEP, 0, 0, -1), (LAUNCH, 10, 2, -1), (LAUNCH, 10, 2, -1), (LAUNCH, 10, 2, -1), (END, 0, 0, -1)],
+              [(1, 7, 1), (2, 7, 1), (3, 7, 1)], lat=5)
+    r = replay(g)
+    # host: 10+2+10+2+10+2 = 36 µs; last kernel: launched at 34 (start of the 3rd call) + 5 latency + 1 = 40
+    assert r.total_ns == pytest.approx(40 * US)
+    assert r.host_ns == pytest.approx(36 * US)
+
+
+def test_gpu_bound_chain_and_sync():
+    # two 100 µs kernels launched back to back, then a device sync with a 3 µs cost
+    g = graph([(STEP, 0, 0, -1), (LAUNCH, 1, 1, -1), (LAUNCH, 1, 1, -1), (SYNC, 1, 3, 1), (END, 0, 0, -1)],
+              [(1, 7, 100), (2, 7, 100)], lat=2)
+    r = replay(g)
+    # kernel 1: 1+2 -> 103; kernel 2 queues behind it -> 203; the sync returns at 203 + 3
+    assert r.total_ns == pytest.approx(206 * US)
+    # without the wait, the host finishes at 1+1+1+1+1+3 = 8 µs, and the GPU still at 203
+    e = Edit.for_graph(g)
+    e.no_wait[3] = True
+    assert replay(g, e).total_ns == pytest.approx(203 * US)
+
+
+def test_edits_remove_host_time_drop_and_shorten_ops():
+    g = graph([(STEP, 0, 0, -1), (LAUNCH, 50, 5, -1), (SYNC, 0, 1, 0), (LAUNCH, 20, 5, -1), (SYNC, 0, 1, 1),
+               (END, 0, 0, -1)], [(1, 7, 30), (3, 7, 30)], lat=0)
+    base = replay(g).total_ns  # 50+5 -> op0 ends 80 (launched at 50), sync ->81; +20 -> 101, op1 131, +1 = 132
+    assert base == pytest.approx(132 * US)
+    e = Edit.for_graph(g)
+    e.gap_remove[1] = 50 * US  # the 50 µs of host work before the first launch gone
+    assert replay(g, e).total_ns == pytest.approx(82 * US)
+    e2 = Edit.for_graph(g)
+    e2.drop_op[0] = True  # no first kernel: its sync does not wait
+    assert replay(g, e2).total_ns == pytest.approx((50 + 5 + 1 + 20) * US + 30 * US + 1 * US)
+    e3 = Edit.for_graph(g)
+    e3.op_dur[:] = 10 * US  # both kernels three times faster
+    assert replay(g, e3).total_ns == pytest.approx((50 + 10 + 1 + 20 + 10 + 1) * US)
+    # edits combine
+    both = combine(g, [e, e3])
+    assert replay(g, both).total_ns == pytest.approx((0 + 10 + 1 + 20 + 10 + 1) * US)
+
+
+def test_graph_replay_packs_kernels():
+    # ten 1 µs kernels, each launch costing 8 µs on the host: a CUDA graph spaces them 0.25 µs apart
+    acts = [(STEP, 0, 0, -1)] + [(LAUNCH, 0, 8, -1)] * 10 + [(END, 0, 0, -1)]
+    g = graph(acts, [(i + 1, 7, 1) for i in range(10)], lat=4)
+    # the last launch starts at 72 µs (its kernel ends at 72 + 4 + 1) and returns at 80: the host ends last
+    assert replay(g).total_ns == pytest.approx(80 * US)
+    e = Edit.for_graph(g)
+    e.cost_remove[:] = g.cost
+    e.packed[:] = True
+    e.packed_gap_ns = 250.0
+    assert replay(g, e).total_ns == pytest.approx((10 * 1 + 9 * 0.25) * US)
+
+
+def test_min_step_is_reported_by_the_pricer_not_the_replay():
+    g = graph([(STEP, 0, 0, -1), (OTHER, 100, 0, -1), (END, 0, 0, -1)], [])
+    e = Edit.for_graph(g)
+    e.gap_remove[1] = 100 * US
+    e.min_step_ns = 40 * US
+    assert replay(g, e).total_ns == 0.0 and e.min_step_ns == 40 * US
+
+
+def test_collectives_couple_two_ranks():
+    # rank 0 arrives at its all-reduce at 10 µs, rank 1 after 60 µs of host work; transfer 5 µs.
+    r0 = graph([(STEP, 0, 0, -1), (COLL_START, 10, 0, -1), (COLL_END, 0, 0, -1), (OTHER, 1, 0, -1), (END, 0, 0, -1)],
+               [], rank=0, a_coll=np.array([-1, 0, 0, -1, -1]), others={0: 60 * US}, transfer={0: 5 * US})
+    r1 = graph([(STEP, 0, 0, -1), (COLL_START, 60, 0, -1), (COLL_END, 0, 0, -1), (OTHER, 1, 0, -1), (END, 0, 0, -1)],
+               [], rank=1, a_coll=np.array([-1, 0, 0, -1, -1]), others={0: 10 * US}, transfer={0: 5 * US})
+
+    class F:  # the facts joint_replay reads
+        def __init__(self, g):
+            self.graph, self.rank, self.extra = g, g.rank, {}
+
+    facts = [F(r0), F(r1)]
+    res = joint_replay(facts)
+    # both leave the collective at 60 + 5 = 65 µs, then 1 µs of host work
+    assert res[0].host_ns == pytest.approx(66 * US) and res[1].host_ns == pytest.approx(66 * US)
+    # remove rank 1's 60 µs of host work: now rank 0 is last (10 µs): both at 10 + 5 + 1
+    e = Edit.for_graph(r1)
+    e.gap_remove[1] = 60 * US
+    res = joint_replay(facts, {1: e})
+    assert res[0].host_ns == pytest.approx(16 * US) and res[1].host_ns == pytest.approx(16 * US)
+    # rank 0's waiting went away although its own graph did not change
+    assert res[0].arrivals[0] == pytest.approx(10 * US)
+
+
+def test_unedited_replay_reproduces_a_real_trace(gpt2_stall):
+    """With no profiler deflation the replay of the recorded graph ends where the trace ends."""
+    from aiprof.analysis.steps import find_steps
+    from aiprof.trace.store import open_capture
+
+    rt = open_capture(str(gpt2_stall)).ranks[0]
+    steps = find_steps(rt)
+    g = build_graph(rt, steps, ProfilerCost.none())
+    r = replay(g)
+    host_end = float(steps.end.max() - steps.start.min())
+    assert r.host_ns == pytest.approx(host_end, rel=0.01)
+    # each replayed step matches the recorded one (the first four; the last one ends with the GPU)
+    rec = (steps.end - steps.start).astype(float)
+    assert np.allclose(r.step_ns[:-1], rec[:-1], rtol=0.02)
+    # and with the profiler's cost removed it is shorter (this trace is host-heavy)
+    assert replay(build_graph(rt, steps)).total_ns < r.total_ns
