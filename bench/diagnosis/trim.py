@@ -2,8 +2,11 @@
 functions (their callees: thousands of builtin calls), keeping the functions themselves.
 
     python bench/diagnosis/trim.py IN.json.gz OUT.json.gz FUNCTION [FUNCTION ...]
+    python bench/diagnosis/trim.py IN.json.gz OUT.json.gz --keep-only TEXT [TEXT ...]
 
-FUNCTION matches the end of a frame name (``": tokenize"``, ``": __getitem__"``). The result is
+FUNCTION matches the end of a frame name (``": tokenize"``, ``": __getitem__"``). With
+``--keep-only``, every Python event is dropped but those whose name contains one of the TEXTs
+(the frames a test needs, e.g. ``run_backward`` and the script's own file). The result is
 the same Kineto trace minus those events; the detectors see the same functions, the deflation
 sees fewer events (so a trimmed trace's predicted savings differ a little from the original's,
 which bench/diagnosis/validate.py reports on the full traces).
@@ -15,10 +18,16 @@ import json
 import sys
 
 
-def trim(src: str, dst: str, functions: list[str]) -> tuple[int, int]:
+def trim(src: str, dst: str, functions: list[str], keep_only: list[str] | None = None) -> tuple[int, int]:
     with gzip.open(src, "rt") as f:
         doc = json.load(f)
     ev = doc["traceEvents"]
+    if keep_only:
+        keep = [e for e in ev if e.get("cat") != "python_function" or any(k in e.get("name", "") for k in keep_only)]
+        doc["traceEvents"] = keep
+        with gzip.open(dst, "wt", compresslevel=9) as f:
+            json.dump(doc, f)
+        return len(ev), len(keep)
     py = {e["args"]["Python id"]: e for e in ev if e.get("cat") == "python_function" and "Python id" in e.get("args", {})}
     roots = {i for i, e in py.items() if any(e.get("name", "").endswith(fn) for fn in functions)}
     drop = set()
@@ -42,5 +51,9 @@ if __name__ == "__main__":
     if len(sys.argv) < 4:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         sys.exit(2)
-    before, after = trim(sys.argv[1], sys.argv[2], sys.argv[3:])
+    rest = sys.argv[3:]
+    if rest[0] == "--keep-only":
+        before, after = trim(sys.argv[1], sys.argv[2], [], rest[1:])
+    else:
+        before, after = trim(sys.argv[1], sys.argv[2], rest)
     print(f"{before} -> {after} events")
