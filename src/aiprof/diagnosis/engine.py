@@ -35,12 +35,15 @@ from aiprof.diagnosis.model import (
 )
 from aiprof.diagnosis.profiler_cost import DEFAULT, ProfilerCost
 from aiprof.diagnosis.replay import Edit, combine, replay
-from aiprof.diagnosis.symptoms import rank_symptoms
+from aiprof.diagnosis.symptoms import completion_us, rank_symptoms, slow_step_mask
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
 # A cause explains a slow step when its fix saves at least this share of that step's extra time.
 SLOW_STEP_EXPLAINED_SHARE = 0.5
+# The replay covers at most this many consecutive steps (each replay walks every CUDA call of its
+# window in Python: a 145-step, 3.4 M-event capture would take seconds per cause).
+REPLAY_MAX_STEPS = 32
 # A symptom left mostly unexplained (at least this share of the step) is shown on its own.
 ORPHAN_MIN_SHARE = 0.05
 
@@ -56,21 +59,34 @@ def unprofiled_step_ms(rt: RankTrace) -> float | None:
     return v if v > 0 else None
 
 
+def replay_window(steps: Steps, breakdown: list[StepBreakdown]) -> slice:
+    """The steps the replay covers: all of them up to REPLAY_MAX_STEPS, else that many
+    consecutive steps around the slowest (so a stall is in it); savings per step come from them."""
+    n = len(steps)
+    if n <= REPLAY_MAX_STEPS:
+        return slice(0, n)
+    d = np.array([s.duration_us for s in breakdown]) if len(breakdown) == n else np.zeros(n)
+    lo = int(np.clip(int(np.argmax(d)) - REPLAY_MAX_STEPS // 2, 0, n - REPLAY_MAX_STEPS))
+    return slice(lo, lo + REPLAY_MAX_STEPS)
+
+
 def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree: HostTree, gaps: Gaps,
                runtime: RuntimeAnalysis, kernels: KernelAnalysis, comm: CommAnalysis, has_gpu: bool,
                host_idle_by_class: dict, profiler: ProfilerCost = DEFAULT) -> RankFacts:
     """Assemble one rank's facts: the replay graph, deflated by the profiler's cost and scaled to
     the unprofiled step time where the capture knows it, and its baseline replay."""
-    g = build_graph(rt, steps, profiler)
+    sl = replay_window(steps, breakdown)
+    g = build_graph(rt, Steps(steps.number[sl], steps.start[sl], steps.end[sl], steps.source), profiler)
     n = max(len(steps), 1)
     recorded = float(sum(s.duration_us for s in breakdown)) * NS_PER_US / n if breakdown else 0.0
     un = unprofiled_step_ms(rt)
-    scale = calibrate_host(g, un * 1e6) if un and g.n_actions else (1.0, 1.0)
+    outliers = slow_step_mask(completion_us(rt, steps))[sl] if len(steps) else np.zeros(0, dtype=bool)
+    scale = calibrate_host(g, un * 1e6, outliers) if un and g.n_actions else (1.0, 1.0)
     base = replay(g)
     return RankFacts(rt=rt, steps=steps, breakdown=breakdown, tree=tree, gaps=gaps, graph=g, base=base, runtime=runtime,
                      kernels=kernels, comm=comm, has_gpu=has_gpu, recorded_step_ns=recorded,
                      unprofiled_step_ns=un * 1e6 if un else None, host_scale=scale,
-                     extra={"host_idle_by_class": host_idle_by_class})
+                     extra={"host_idle_by_class": host_idle_by_class, "outliers": outliers})
 
 
 class Pricer:
@@ -121,7 +137,7 @@ class Pricer:
             "fixed_step_us": (ref_step - save) / NS_PER_US,
             "recorded_step_us": f.recorded_step_ns / NS_PER_US,
             "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
-            "by_step_us": {int(s): float(v) / NS_PER_US for s, v in zip(f.steps.number, by_step)},
+            "by_step_us": {int(s): float(v) / NS_PER_US for s, v in zip(f.graph.step_number, by_step)},
         }
 
 
@@ -160,7 +176,9 @@ def _link(causes: list[Cause], symptoms: list[Symptom], facts_by_rank: dict[int,
             typical = float(np.median(list(by_step.values()))) if by_step else 0.0
             saved = sum(by_step.get(int(n), 0.0) - typical for n in s.detail["steps"])
             if saved >= SLOW_STEP_EXPLAINED_SHARE * s.us:
-                s.explained_by.append({"cause": c.id, "us": min(saved, s.us)})
+                # the cause explains the slow step (the replay prices it unprofiled, the symptom
+                # is recorded time: the step counts as explained whole)
+                s.explained_by.append({"cause": c.id, "us": s.us})
     for s in symptoms:
         s.unexplained_us = max(0.0, s.us - sum(e["us"] for e in s.explained_by))
 

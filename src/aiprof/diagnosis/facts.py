@@ -136,12 +136,23 @@ class RankFacts:
         return replay(self.graph, edit)
 
 
-def calibrate_host(g: Graph, target_step_ns: float) -> tuple[float, float]:
-    """Fit the graph's profiler deflation (in place) so that its replay's mean step matches
+def typical_step_ns(r: ReplayResult, outliers: np.ndarray | None = None) -> float:
+    """The replayed mean step without the extra time of the recorded outlier steps: what the
+    agent's median of the iterations before the capture measured (a stall inside the captured
+    window is not in it)."""
+    if outliers is None or not outliers.any() or len(r.step_ns) != len(outliers):
+        return r.per_step_ns
+    med = float(np.median(r.step_ns[~outliers])) if (~outliers).any() else float(np.median(r.step_ns))
+    extra = float(np.maximum(r.step_ns[outliers] - med, 0).sum())
+    return (r.total_ns - extra) / max(r.steps, 1)
+
+
+def calibrate_host(g: Graph, target_step_ns: float, outliers: np.ndarray | None = None) -> tuple[float, float]:
+    """Fit the graph's profiler deflation (in place) so that its replay's typical step matches
     ``target_step_ns``; returns (alpha, beta) (see :meth:`Graph.deflate`)."""
     def at(alpha: float, beta: float) -> float:
         g.deflate(alpha, beta)
-        return replay(g).per_step_ns
+        return typical_step_ns(replay(g), outliers)
 
     return fit_deflation(at, target_step_ns)
 

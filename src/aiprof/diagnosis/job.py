@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from aiprof.diagnosis.facts import RankFacts, fit_deflation
+from aiprof.analysis.steps import Steps
+from aiprof.diagnosis.facts import RankFacts, fit_deflation, typical_step_ns
 from aiprof.diagnosis.graph import RankCollectives, build_graph
 from aiprof.diagnosis.replay import Edit, ReplayResult, replay
 
@@ -83,7 +84,7 @@ def attach_collectives(facts: list[RankFacts], columns: dict) -> bool:
                                host=rc.side == "cpu",
                                others={int(c): float(latest[c] - off.get(r, 0.0)) for c in have},
                                transfer={int(c): float(max(transfer[c], 0.0)) for c in have})
-        f.graph = build_graph(f.rt, f.steps, f.graph.profiler, rcol)
+        f.graph = build_graph(f.rt, window_steps(f), f.graph.profiler, rcol)
         f.extra["offset_ns"] = off.get(r, 0.0)
     coupled = [f for f in facts if f.rank in ranks]
     targets = [f.unprofiled_step_ns for f in coupled if f.unprofiled_step_ns]
@@ -102,9 +103,16 @@ def calibrate_joint(facts: list[RankFacts], target_step_ns: float) -> tuple[floa
     def at(alpha: float, beta: float) -> float:
         for f in facts:
             f.graph.deflate(alpha, beta)
-        return job_step_ns(joint_replay(facts))
+        res = joint_replay(facts)
+        return max(typical_step_ns(res[f.rank], f.extra.get("outliers")) for f in facts)
 
     return fit_deflation(at, target_step_ns)
+
+
+def window_steps(f: RankFacts) -> Steps:
+    """The steps of the rank's current replay window (see engine.replay_window)."""
+    keep = np.isin(f.steps.number, f.graph.step_number)
+    return Steps(f.steps.number[keep], f.steps.start[keep], f.steps.end[keep], f.steps.source)
 
 
 def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -> dict[int, ReplayResult]:

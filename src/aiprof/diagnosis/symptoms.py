@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from aiprof.analysis.launch import launch_ts
+from aiprof.analysis.steps import Steps
 from aiprof.diagnosis.facts import RankFacts
+from aiprof.trace.store import RankTrace
 from aiprof.diagnosis.model import (
     EXPOSED_COMM,
     EXPOSED_COPY,
@@ -21,7 +24,8 @@ NS_PER_US = 1000.0
 # A symptom smaller than this share of the step is not worth a line.
 MIN_SHARE = 0.01
 # SLOW_STEP: a step this much slower than the median (ratio and absolute), beyond this many
-# median absolute deviations (so noisy steady steps do not qualify), with at least 3 steps.
+# median absolute deviations (so noisy steady steps do not qualify), with at least 3 steps; durations from completion to
+# completion (see completion_us).
 SLOW_STEP_MIN_STEPS = 3
 SLOW_STEP_RATIO = 1.3
 SLOW_STEP_MIN_US = 5_000.0
@@ -31,6 +35,38 @@ SLOW_STEP_MAX_SEPARATE = 3  # more slow steps than this are one recurring sympto
 
 def _fmt(us: float) -> str:
     return f"{us / 1000.0:.1f} ms"
+
+
+def completion_us(rt: RankTrace, steps: Steps) -> np.ndarray:
+    """Each step's duration from one step's completion to the next (µs): a step completes when
+    both its host window and the GPU work it launched are done. In a loop that never waits for
+    the GPU the host runs ahead and its step windows say nothing of the GPU's pace (the last
+    window then absorbs the backlog); completions do."""
+    n = len(steps)
+    if not n:
+        return np.zeros(0)
+    done = steps.end.astype(np.float64).copy()
+    for name in ("kernels", "memops"):
+        g = rt.table(name)
+        if not len(g):
+            continue
+        i = steps.index_of(launch_ts(rt.runtime, g))
+        ok = i >= 0
+        np.maximum.at(done, i[ok], (g["ts"] + g["dur"])[ok].astype(np.float64))
+    done = np.maximum.accumulate(done)
+    prev = np.concatenate([[float(steps.start[0])], done[:-1]])
+    return (done - prev) / NS_PER_US
+
+
+def slow_step_mask(d: np.ndarray) -> np.ndarray:
+    """Steps slow by the SLOW_STEP rule (``d``: step durations, µs): >= 1.3x the median and
+    >= 5 ms longer, beyond 5 median absolute deviations, with at least 3 steps."""
+    d = np.asarray(d, dtype=np.float64)
+    if len(d) < SLOW_STEP_MIN_STEPS:
+        return np.zeros(len(d), dtype=bool)
+    med = float(np.median(d))
+    mad = float(np.median(np.abs(d - med)))
+    return (d >= SLOW_STEP_RATIO * med) & (d - med >= SLOW_STEP_MIN_US) & (d - med >= SLOW_STEP_MAD_K * mad)
 
 
 def rank_symptoms(f: RankFacts) -> list[Symptom]:
@@ -59,27 +95,26 @@ def rank_symptoms(f: RankFacts) -> list[Symptom]:
             f"({100 * mem / total:.0f}%)", {})
         slow_mm = float(f.kernels.non_tc_matmul_us)
         add(SLOW_KERNELS, slow_mm, f"{_fmt(slow_mm / n)} per step of matrix products without tensor cores", {})
-    d = np.array([s.duration_us for s in steps])
+    d = completion_us(f.rt, f.steps) if len(f.steps) == n else np.array([s.duration_us for s in steps])
     if n >= SLOW_STEP_MIN_STEPS:
         med = float(np.median(d))
-        mad = float(np.median(np.abs(d - med)))
-        slow = [s for s in steps if s.duration_us >= SLOW_STEP_RATIO * med and s.duration_us - med >= SLOW_STEP_MIN_US
-                and s.duration_us - med >= SLOW_STEP_MAD_K * mad]
+        mask = slow_step_mask(d)
+        slow = [(s, float(x)) for s, x, m in zip(steps, d, mask) if m]
         if len(slow) > SLOW_STEP_MAX_SEPARATE:
             # a recurring slow step (every Nth: checkpointing, evaluation, a periodic stall) is one problem
-            nums = [x.step for x in slow]
+            nums = [s.step for s, _ in slow]
             gaps = set(np.diff(nums).tolist())
             period = f", every {gaps.pop()} steps" if len(gaps) == 1 else ""
-            extra = float(sum(x.duration_us - med for x in slow))
-            worst = max(slow, key=lambda x: x.duration_us)
+            extra = float(sum(x - med for _, x in slow))
+            worst, wd = max(slow, key=lambda sx: sx[1])
             out.append(Symptom(SLOW_STEP, f.rank, f"{len(slow)} of {n} steps are slow{period}; the worst, step "
-                               f"{worst.step}, took {_fmt(worst.duration_us)}, {worst.duration_us / med:.2f}x the median "
-                               f"{_fmt(med)}", extra, extra / n, extra / total,
-                               {"steps": nums, "step": worst.step, "step_us": worst.duration_us, "median_us": med}))
+                               f"{worst.step}, took {_fmt(wd)}, {wd / med:.2f}x the median {_fmt(med)}", extra,
+                               extra / n, extra / total,
+                               {"steps": nums, "step": worst.step, "step_us": wd, "median_us": med}))
         else:
-            for x in slow:
-                extra = x.duration_us - med
-                out.append(Symptom(SLOW_STEP, f.rank, f"step {x.step} took {_fmt(x.duration_us)}, "
-                                   f"{x.duration_us / med:.2f}x the median {_fmt(med)}", extra, extra / n, extra / total,
-                                   {"steps": [x.step], "step": x.step, "step_us": x.duration_us, "median_us": med}))
+            for s, x in slow:
+                extra = x - med
+                out.append(Symptom(SLOW_STEP, f.rank, f"step {s.step} took {_fmt(x)}, {x / med:.2f}x the median "
+                                   f"{_fmt(med)}", extra, extra / n, extra / total,
+                                   {"steps": [s.step], "step": s.step, "step_us": x, "median_us": med}))
     return out

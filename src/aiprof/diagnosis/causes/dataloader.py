@@ -17,7 +17,14 @@ import math
 import numpy as np
 
 from aiprof.analysis.hotspots import is_data_loading, is_library_frame
-from aiprof.diagnosis.causes.common import biggest_node, idle_claim, ms, offload_edit, outermost, site_and_stack
+from aiprof.diagnosis.causes.common import (
+    biggest_node,
+    idle_claim,
+    ms,
+    offload_edit,
+    outermost,
+    site_and_stack,
+)
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -89,7 +96,9 @@ def detect(f: RankFacts) -> list[Cause]:
     return [Cause(
         code=CODE, rank=f.rank, title=title,
         mechanism=("Input is produced on the thread that drives the GPU, between steps; the GPU has nothing "
-                   "queued until the batch is ready."),
+                   "queued until the batch is ready." if f.has_gpu else
+                   "Input is produced on the training thread, between steps; the step cannot start until the "
+                   "batch is ready."),
         remedy=remedy, place=Place("dataloader", fn, site, stack + inner, stall),
         evidence={"loading_us_per_step": work / 1e3, "gpu_idle_us": idle / 1e3, "workers_suggested": workers,
                   "num_workers_zero": single, "waiting_for_workers": multi, "stall_steps": stall,
