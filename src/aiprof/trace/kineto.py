@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -24,7 +25,7 @@ from aiprof.trace.builder import TABLES, Builder
 from aiprof.trace.events import ANY, EVENTS
 from aiprof.trace.table import Table
 
-__all__ = ["CHUNK_BYTES", "TABLES", "ParsedTrace", "read_trace"]
+__all__ = ["CHUNK_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_trace"]
 
 CHUNK_BYTES = 8 << 20
 _MAX_CUT_TRIES = 12
@@ -38,6 +39,7 @@ class ParsedTrace:
     tables: dict[str, Table]
     meta: dict
     n_events: int
+    workers: int = 1  # processes that decoded it (1: this one)
 
 
 class _Reader:
@@ -119,12 +121,13 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
                chunk_bytes: int = CHUNK_BYTES, workers: Optional[int] = None) -> ParsedTrace:
     """Parse one Kineto trace file into tables. Raises :class:`TraceError` on bad input.
 
-    ``workers`` > 1 decodes large Kineto-formatted files in that many processes (default:
-    $AIPROF_INGEST_WORKERS, else the number of CPUs, at most 4); small files are always read in
-    this process.
+    ``workers`` > 1 decodes large Kineto-formatted files in that many worker processes
+    (default: $AIPROF_INGEST_WORKERS, else the number of usable CPUs, at most 4); small files are
+    always read in this process. The workers are started by aiprof (:mod:`aiprof.trace.workers`)
+    and never run the caller's ``__main__``; when they cannot run, the file is read here.
     """
     if workers is None:
-        workers = int(os.environ.get("AIPROF_INGEST_WORKERS") or min(4, os.cpu_count() or 1))
+        workers = default_workers()
     try:
         reader = _Reader(path, progress)
     except FileNotFoundError:
@@ -146,6 +149,25 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
         raise TraceError(path, f"read failed ({exc})") from None
     finally:
         reader.close()
+
+
+_MAX_DEFAULT_WORKERS = 4  # beyond 4, the one reading thread (inflate, cut) is the bottleneck
+
+
+def default_workers() -> int:
+    """Ingest worker processes: $AIPROF_INGEST_WORKERS, else usable CPUs (at most 4)."""
+    env = (os.environ.get("AIPROF_INGEST_WORKERS") or "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            print(f"aiprof: warning: AIPROF_INGEST_WORKERS={env!r} is not a number; using 1", file=sys.stderr)
+            return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return min(_MAX_DEFAULT_WORKERS, cpus)
 
 
 def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
@@ -182,11 +204,11 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
     if workers > 1 and r.total >= PARALLEL_MIN_BYTES and buf.startswith(_KINETO_FIRST):
         done = _parse_parallel(r, b, buf, chunk_bytes, workers)
         if done is not None:
-            buf = done
+            buf, used = done
             tail = _decode_last(b, buf, path)
             meta = _decode_meta(path, header, tail)
-            return _finish(path, b, meta)
-        # a block did not decode: this file only looks Kineto-formatted; start over sequentially
+            return _finish(path, b, meta, used)
+        # a block did not decode, or the workers could not run: read the file here, from its start
         r.rewind()
         return _parse(r, chunk_bytes, workers=1)
     while True:
@@ -210,13 +232,13 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
     return _finish(path, b, meta)
 
 
-def _finish(path: str, b: Builder, meta: dict) -> ParsedTrace:
+def _finish(path: str, b: Builder, meta: dict, workers: int = 1) -> ParsedTrace:
     tables = b.finish()
     if b.agent_threads:
         meta["aiprof_agent_threads_dropped"] = b.agent_threads
     if b.n_events == 0 or not tables:
         raise TraceError(path, "no profiler events in \"traceEvents\" (is this a torch.profiler trace?)")
-    return ParsedTrace(tables=tables, meta=meta, n_events=b.n_events)
+    return ParsedTrace(tables=tables, meta=meta, n_events=b.n_events, workers=workers)
 
 
 # Kineto writes one event per block: "  {" at indent 2, its fields deeper, and "\n  },\n  {"
@@ -226,49 +248,54 @@ def _finish(path: str, b: Builder, meta: dict) -> ParsedTrace:
 # decode anyway (a file that only looks Kineto-formatted), the whole file is re-read sequentially.
 _KINETO_FIRST = b"\n  {\n"
 _KINETO_SEP = b"\n  },\n  {"
-PARALLEL_MIN_BYTES = 48 << 20
+PARALLEL_MIN_BYTES = 48 << 20  # below, starting the workers costs more than it saves
 
 
-def _decode_block(block: bytes) -> Optional[Builder]:
-    """Worker: decode one block of complete events into a fresh builder (None if it fails)."""
+def decode_block(data: bytes | bytearray) -> Builder | None:
+    """Worker side: decode ``[`` events ``]`` into a fresh builder (None if anything is wrong)."""
     try:
-        evs = EVENTS.decode(b"[" + block + b"]")
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        evs = EVENTS.decode(data)
+        b = Builder()
+        b.add(evs)
+    except msgspec.DecodeError:  # (ValidationError included)
         return None
-    b = Builder()
-    b.add(evs)
     return b
 
 
-def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int, workers: int) -> Optional[bytes]:
-    """Decode Kineto-formatted blocks in ``workers`` processes; return the unconsumed tail."""
-    import multiprocessing
-    from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
+def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
+                    workers: int) -> tuple[bytes, int] | None:
+    """Decode Kineto-formatted blocks in ``workers`` processes; return the unconsumed tail.
 
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads' locks
+    None when a block did not decode or a worker could not run: the caller re-reads the file.
+    """
+    from collections import deque
+
+    from aiprof.trace.workers import WorkerLost, WorkerPool
+
     pending: deque = deque()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        while True:
-            while not r.eof and len(buf) < chunk_bytes:
-                buf += r.read(chunk_bytes)
-            cut = buf.rfind(_KINETO_SEP)
-            if cut < 0:
-                break  # only the last event and the document's tail are left
-            pending.append(pool.submit(_decode_block, buf[: cut + 4]))
-            buf = buf[cut + 5:]
-            while len(pending) > 2 * workers:  # bound memory: at most a few blocks in flight
+    try:
+        with WorkerPool(workers) as pool:
+            while True:
+                while not r.eof and len(buf) < chunk_bytes:
+                    buf += r.read(chunk_bytes)
+                cut = buf.rfind(_KINETO_SEP)
+                if cut < 0:
+                    break  # only the last event and the document's tail are left
+                pending.append(pool.submit(memoryview(buf)[: cut + 4]))
+                buf = buf[cut + 5:]
+                while len(pending) > 2 * workers:  # bound memory: at most a few blocks in flight
+                    part = pending.popleft().result()
+                    if part is None:
+                        return None
+                    b.merge(part)
+            while pending:
                 part = pending.popleft().result()
                 if part is None:
-                    pool.shutdown(cancel_futures=True)
                     return None
                 b.merge(part)
-        for fut in pending:
-            part = fut.result()
-            if part is None:
-                return None
-            b.merge(part)
-    return buf
+    except WorkerLost:
+        return None
+    return buf, workers
 
 
 def _decode_bulk(b: Builder, buf: bytes, path: str, at_eof: bool) -> Optional[int]:

@@ -223,6 +223,7 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
     meta["source"] = fp
     meta["rows"] = {name: len(t) for name, t in parsed.tables.items()}
     meta["events"] = parsed.n_events
+    meta["ingest_workers"] = parsed.workers
     meta["ingest_s"] = round(time.perf_counter() - t0, 3)
     rt = RankTrace(rank=meta["rank"], source=path, meta=meta, _tables=dict(parsed.tables))
     try:

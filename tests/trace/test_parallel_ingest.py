@@ -1,0 +1,100 @@
+"""Parallel ingest (aiprof.trace.workers): same tables as one process, falls back to one process
+when workers cannot run, leaves no process behind."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import psutil
+import pytest
+
+from aiprof.trace import kineto, workers
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _same_tables(a: kineto.ParsedTrace, b: kineto.ParsedTrace) -> None:
+    assert a.n_events == b.n_events
+    assert sorted(a.tables) == sorted(b.tables)
+    for name, ta in a.tables.items():
+        tb = b.tables[name]
+        assert len(ta) == len(tb) and ta.names() == tb.names(), name
+        for col in ta.names():
+            x, y = ta[col], tb[col]
+            if x.dtype.kind == "f":
+                assert np.array_equal(x, y, equal_nan=True), (name, col)
+            else:
+                assert np.array_equal(x, y), (name, col)
+
+
+@pytest.fixture(scope="module")
+def sequential(parallel_trace) -> kineto.ParsedTrace:
+    return kineto.read_trace(str(parallel_trace), workers=1)
+
+
+def test_parallel_equals_sequential(parallel_trace, sequential):
+    before = _children()
+    par = kineto.read_trace(str(parallel_trace), workers=2)
+    assert par.workers == 2 and sequential.workers == 1
+    _same_tables(par, sequential)
+    assert par.meta == sequential.meta
+    assert _children() == before  # the workers exited with the ingest
+
+
+def test_workers_that_cannot_start_fall_back_to_one_process(parallel_trace, sequential, monkeypatch):
+    # an embedded interpreter: sys.executable is not a Python that can run aiprof's worker
+    monkeypatch.setattr(sys, "executable", "/bin/true")
+    par = kineto.read_trace(str(parallel_trace), workers=2)
+    assert par.workers == 1
+    _same_tables(par, sequential)
+    monkeypatch.setattr(sys, "executable", "")
+    assert kineto.read_trace(str(parallel_trace), workers=2).workers == 1
+
+
+def test_worker_killed_mid_ingest_falls_back(parallel_trace, sequential):
+    killed = []
+
+    def progress(done, total):
+        if not killed and done > total // 3:
+            for pid in _children():
+                os.kill(pid, 9)
+                killed.append(pid)
+
+    par = kineto.read_trace(str(parallel_trace), workers=2, progress=progress)
+    assert killed and par.workers == 1
+    _same_tables(par, sequential)
+
+
+def test_interrupt_leaves_no_worker_behind(parallel_trace):
+    before = _children()
+    calls = []
+
+    def progress(done, total):
+        calls.append(done)
+        if len(calls) == 3:
+            assert _children() - before  # the workers are running
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        kineto.read_trace(str(parallel_trace), workers=2, progress=progress)
+    assert _children() == before
+
+
+def test_worker_answers_none_for_a_bad_block():
+    with workers.WorkerPool(1) as pool:
+        ok = pool.submit(memoryview(b'{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 2}'))
+        bad = pool.submit(memoryview(b'{"ph": "X", "ts": "no"}'))
+        broken = pool.submit(memoryview(b'{"ph": '))
+        assert ok.result().n_events == 1
+        assert bad.result() is None and broken.result() is None
+
+
+def test_bad_worker_count_env_is_one_process(monkeypatch, capsys):
+    monkeypatch.setenv("AIPROF_INGEST_WORKERS", "lots")
+    assert kineto.default_workers() == 1
+    assert "AIPROF_INGEST_WORKERS" in capsys.readouterr().err
+    monkeypatch.setenv("AIPROF_INGEST_WORKERS", "3")
+    assert kineto.default_workers() == 3
