@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import sys
 import zlib
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import msgspec
 
 from aiprof.errors import TraceError
 from aiprof.trace.builder import TABLES, Builder
-from aiprof.trace.events import ANY, EVENTS
+from aiprof.trace.events import ANY, EVENTS, EventError, validation_error
 from aiprof.trace.table import Table
 
 __all__ = ["CHUNK_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_trace"]
@@ -147,6 +148,9 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
         return parsed
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise TraceError(path, f"read failed ({exc})") from None
+    except RecursionError:  # only msgspec's decoding recurses here: the input nests too deep
+        raise TraceError(path, "JSON nested too deeply to be a trace (more than "
+                               f"{sys.getrecursionlimit()} levels)") from None
     finally:
         reader.close()
 
@@ -201,11 +205,12 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
 
     b = Builder()
     buf = buf[pos:]
+    at = _At(path, pos)
     if workers > 1 and r.total >= PARALLEL_MIN_BYTES and buf.startswith(_KINETO_FIRST):
         done = _parse_parallel(r, b, buf, chunk_bytes, workers)
         if done is not None:
             buf, used = done
-            tail = _decode_last(b, buf, path)
+            tail = _decode_last(b, buf, at, bare=not header)
             meta = _decode_meta(path, header, tail)
             return _finish(path, b, meta, used)
         # a block did not decode, or the workers could not run: read the file here, from its start
@@ -215,27 +220,44 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
         if not r.eof and len(buf) < chunk_bytes:
             buf += r.read(chunk_bytes)
             continue
-        consumed = _decode_bulk(b, buf, path, at_eof=r.eof)
+        consumed = _decode_bulk(b, buf, at)
         if consumed is None:  # no cut decoded: take more input, or give up
             if r.eof:
                 break
             if len(buf) > 8 * chunk_bytes:
-                raise _syntax_error(path, buf)
+                raise _syntax_error(buf, at)
             buf += r.read(chunk_bytes)
             continue
         buf = buf[consumed:]
+        at.offset += consumed
         if r.eof:
             break
     # What is left holds the last event(s), the closing bracket and the document's tail.
-    tail = _decode_last(b, buf, path)
+    tail = _decode_last(b, buf, at, bare=not header)
     meta = _decode_meta(path, header, tail)
     return _finish(path, b, meta)
+
+
+@dataclass
+class _At:
+    """Where the buffer being decoded starts: to name a bad byte by its offset in the file's JSON."""
+
+    path: str
+    offset: int
+
+    def error(self, problem: str) -> TraceError:
+        return TraceError(self.path, problem)
+
+    def event_error(self, err: EventError) -> TraceError:
+        return TraceError(self.path, err.describe())
 
 
 def _finish(path: str, b: Builder, meta: dict, workers: int = 1) -> ParsedTrace:
     tables = b.finish()
     if b.agent_threads:
         meta["aiprof_agent_threads_dropped"] = b.agent_threads
+    if b.negative_durations:
+        meta["aiprof_negative_durations"] = b.negative_durations
     if b.n_events == 0 or not tables:
         raise TraceError(path, "no profiler events in \"traceEvents\" (is this a torch.profiler trace?)")
     return ParsedTrace(tables=tables, meta=meta, n_events=b.n_events, workers=workers)
@@ -245,7 +267,8 @@ def _finish(path: str, b: Builder, meta: dict, workers: int = 1) -> ParsedTrace:
 # between events. JSON strings cannot hold a raw newline, so that separator is never inside a
 # string; with Kineto's indentation it is never inside a nested object either. That makes the
 # cut safe without decoding, so blocks can be decoded in other processes. Should a block fail to
-# decode anyway (a file that only looks Kineto-formatted), the whole file is re-read sequentially.
+# decode anyway (a file that only looks Kineto-formatted, or a bad event), the whole file is
+# re-read in this process, which names the problem precisely.
 _KINETO_FIRST = b"\n  {\n"
 _KINETO_SEP = b"\n  },\n  {"
 PARALLEL_MIN_BYTES = 48 << 20  # below, starting the workers costs more than it saves
@@ -257,7 +280,7 @@ def decode_block(data: bytes | bytearray) -> Builder | None:
         evs = EVENTS.decode(data)
         b = Builder()
         b.add(evs)
-    except msgspec.DecodeError:  # (ValidationError included)
+    except (msgspec.DecodeError, EventError):  # DecodeError includes ValidationError
         return None
     return b
 
@@ -298,8 +321,27 @@ def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
     return buf, workers
 
 
-def _decode_bulk(b: Builder, buf: bytes, path: str, at_eof: bool) -> Optional[int]:
-    """Decode events up to the last good ``},`` cut; return bytes consumed, or None."""
+def _event_at(b: Builder, at: _At, exc: msgspec.ValidationError) -> TraceError:
+    """A decoded chunk's type error, named by the event's index in the whole trace."""
+    err = validation_error(exc)
+    err.index += b.n_events
+    return at.event_error(err)
+
+
+def _add(b: Builder, evs: list, at: _At) -> None:
+    try:
+        b.add(evs)
+    except EventError as err:
+        raise at.event_error(err) from None
+
+
+def _decode_bulk(b: Builder, buf: bytes, at: _At) -> Optional[int]:
+    """Decode events up to the last good ``},`` cut; return bytes consumed, or None.
+
+    A cut inside a string or a nested object leaves invalid JSON (DecodeError: try the next cut
+    to the left). A type error (ValidationError) is raised while decoding values that all lie
+    before the cut, so it is the file's own: it is reported at once.
+    """
     end = len(buf)
     for _ in range(_MAX_CUT_TRIES):
         cut = buf.rfind(b"},", 0, end)
@@ -307,16 +349,22 @@ def _decode_bulk(b: Builder, buf: bytes, path: str, at_eof: bool) -> Optional[in
             return None
         try:
             evs = EVENTS.decode(b"[" + buf[: cut + 1] + b"]")
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except msgspec.ValidationError as exc:  # (a subclass of DecodeError)
+            raise _event_at(b, at, exc) from None
+        except msgspec.DecodeError:
             end = cut
             continue
-        b.add(evs)
+        _add(b, evs, at)
         return cut + 2
     return None
 
 
-def _decode_last(b: Builder, buf: bytes, path: str) -> bytes:
-    """Decode the final events before ``]``; return the bytes after the array."""
+def _decode_last(b: Builder, buf: bytes, at: _At, bare: bool = False) -> bytes:
+    """Decode the final events before ``]``; return the bytes after the array.
+
+    ``bare``: the file is a Chrome JSON *array* trace, whose closing ``]`` may be missing (the
+    Trace Event Format allows it, for traces written by programs that may die mid-way).
+    """
     end = len(buf)
     tries = 0
     while True:
@@ -325,27 +373,50 @@ def _decode_last(b: Builder, buf: bytes, path: str) -> bytes:
             break
         try:
             evs = EVENTS.decode(b"[" + buf[:close + 1])
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except msgspec.ValidationError as exc:
+            raise _event_at(b, at, exc) from None
+        except msgspec.DecodeError:
             end = close
             tries += 1
             if tries > 64 and len(buf) > (1 << 20):
                 break
             continue
-        b.add(evs)
+        _add(b, evs, at)
         return buf[close + 1:]
-    if b.n_events:
-        raise TraceError(path, "truncated: the JSON ends inside \"traceEvents\"")
-    raise _syntax_error(path, buf)
+    if bare:
+        body = buf.rstrip()
+        body = body[:-1] if body.endswith(b",") else body
+        try:
+            evs = EVENTS.decode(b"[" + body + b"]")
+        except msgspec.ValidationError as exc:
+            raise _event_at(b, at, exc) from None
+        except msgspec.DecodeError:
+            pass
+        else:
+            _add(b, evs, at)
+            return b""
+    raise _syntax_error(buf, at, truncated=b.n_events > 0)
 
 
-def _syntax_error(path: str, buf: bytes) -> TraceError:
+_BYTE = re.compile(r"\(byte (\d+)\)")
+
+
+def _syntax_error(buf: bytes, at: _At, truncated: bool = False) -> TraceError:
+    """Why the events in ``buf`` do not decode, with the bad byte's offset in the file's JSON."""
     try:
         ANY.decode(b"[" + buf)
     except msgspec.DecodeError as exc:
-        return TraceError(path, f"not valid JSON inside \"traceEvents\" ({exc})")
-    except msgspec.ValidationError as exc:
-        return TraceError(path, f"unexpected event shape in \"traceEvents\" ({exc})")
-    return TraceError(path, "truncated: the JSON ends inside \"traceEvents\"")
+        msg = str(exc)
+        m = _BYTE.search(msg)
+        if m is not None:
+            n = int(m.group(1)) - 1 + at.offset  # the "[" we put in front is not the file's
+            if n >= at.offset + len(buf) - 1 and truncated:
+                return at.error("truncated: the JSON ends inside \"traceEvents\"")
+            msg = _BYTE.sub(f"(at byte {n:,} of the JSON)", msg)
+        elif truncated and "truncated" in msg:
+            return at.error("truncated: the JSON ends inside \"traceEvents\"")
+        return at.error(f"not valid JSON inside \"traceEvents\" ({msg})")
+    return at.error("truncated: the JSON ends inside \"traceEvents\"")
 
 
 def _decode_meta(path: str, header: bytes, tail: bytes) -> dict:
@@ -359,7 +430,8 @@ def _decode_meta(path: str, header: bytes, tail: bytes) -> dict:
     except msgspec.DecodeError as exc:
         if not tail.strip():
             raise TraceError(path, "truncated: the JSON ends after \"traceEvents\"") from None
-        raise TraceError(path, f"not valid JSON ({exc})") from None
+        # the offset msgspec gives is in this re-assembled document, not in the file: drop it
+        raise TraceError(path, f"not valid JSON around \"traceEvents\" ({_BYTE.sub('', str(exc)).strip()})") from None
     if not isinstance(meta, dict):
         raise TraceError(path, "not a Kineto trace (top level is not an object)")
     meta.pop("traceEvents", None)
