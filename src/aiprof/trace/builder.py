@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import msgspec
 import numpy as np
 
 from aiprof import npx
@@ -22,6 +23,7 @@ from aiprof.trace.events import (
     SyncArgs,
     decode_args,
 )
+from aiprof.trace.hwcsv import hw_table
 from aiprof.trace.table import Table
 
 # Times become int64 ns. A ts in [-2^60, 2^62] ns (2^62 ns: the year 2116 on a Unix-epoch clock)
@@ -369,6 +371,33 @@ _HANDLERS: dict[str, Callable[[Builder, list[Ev]], None]] = {
 # Tables every capture has (possibly empty), in the order the docs list them.
 TABLES = ("ops", "annotations", "python", "runtime", "kernels", "memops", "gpu_sync", "flows",
           "collectives", "memory", "threads", "hw")
+
+
+def _schema() -> dict[str, Table]:
+    """Every table's columns with no rows, made by the handlers themselves from one event each."""
+    def ev(ph: str, cat: str = "", name: str = "x", id: int | None = None) -> Ev:
+        return Ev(ph=ph, cat=cat, name=name, pid=1, tid=1, ts=0.0, dur=0.0, id=id,
+                  args=msgspec.Raw(b'{"Collective name": "allreduce", "name": "x"}'))
+    b = Builder()
+    b.add([ev("X", cat) for cat in _HANDLERS if cat not in ("i", "M", "s", "f")]
+          + [ev("i", name="[memory]"), ev("M", name="thread_name"), ev("s", "ac2g", id=1), ev("f", "ac2g", id=1)])
+    tables = b.finish()
+    tables["hw"] = hw_table([], [], [], [])
+    missing = set(TABLES) - set(tables)
+    assert not missing, f"tables without a schema: {missing}"
+    return {name: t.take(np.zeros(0, np.int64)) for name, t in tables.items()}
+
+
+_EMPTY: dict[str, Table] = {}
+
+
+def empty_table(name: str) -> Table:
+    """The named table with all its columns and no rows: what an analysis reads when a trace has
+    no such events, so that every analysis runs on every subset of tables."""
+    if not _EMPTY:
+        _EMPTY.update(_schema())
+    t = _EMPTY.get(name)
+    return Table(dict(t.columns)) if t is not None else Table()
 
 
 _AGENT_CODE = "aiprof/agent/"

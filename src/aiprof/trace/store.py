@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 
 from aiprof import npx
 from aiprof.errors import TraceError
+from aiprof.trace.builder import empty_table
 from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
@@ -55,14 +56,14 @@ class RankTrace:
     _tables: dict[str, Table] = field(default_factory=dict, repr=False)
 
     def table(self, name: str) -> Table:
-        """The named table (empty when the trace has no such events)."""
+        """The named table (with its columns and no rows when the trace has no such events)."""
         t = self._tables.get(name)
         if t is None:
             path = os.path.join(self.store_dir, f"{name}.parquet") if self.store_dir else None
             if path and os.path.exists(path):
                 t = Table.from_arrow(pq.read_table(path))
             else:
-                t = Table()
+                t = empty_table(name)
             self._tables[name] = t
         return t
 
