@@ -9,11 +9,20 @@ import numpy as np
 import psutil
 import pytest
 
+from aiprof.errors import TraceError
 from aiprof.trace import kineto, workers
 
 
-def _children() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+def _workers() -> set[int]:
+    """This process's ingest workers (not the other children a test session has: a browser...)."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "aiprof.trace.workers" in " ".join(p.cmdline()):
+                out.add(p.pid)
+        except psutil.Error:
+            pass
+    return out
 
 
 def _same_tables(a: kineto.ParsedTrace, b: kineto.ParsedTrace) -> None:
@@ -36,12 +45,11 @@ def sequential(parallel_trace) -> kineto.ParsedTrace:
 
 
 def test_parallel_equals_sequential(parallel_trace, sequential):
-    before = _children()
     par = kineto.read_trace(str(parallel_trace), workers=2)
     assert par.workers == 2 and sequential.workers == 1
     _same_tables(par, sequential)
     assert par.meta == sequential.meta
-    assert _children() == before  # the workers exited with the ingest
+    assert not _workers()  # the workers exited with the ingest
 
 
 def test_workers_that_cannot_start_fall_back_to_one_process(parallel_trace, sequential, monkeypatch):
@@ -59,28 +67,28 @@ def test_worker_killed_mid_ingest_falls_back(parallel_trace, sequential):
 
     def progress(done, total):
         if not killed and done > total // 3:
-            for pid in _children():
+            for pid in _workers():
                 os.kill(pid, 9)
                 killed.append(pid)
 
     par = kineto.read_trace(str(parallel_trace), workers=2, progress=progress)
     assert killed and par.workers == 1
     _same_tables(par, sequential)
+    assert not _workers()
 
 
 def test_interrupt_leaves_no_worker_behind(parallel_trace):
-    before = _children()
     calls = []
 
     def progress(done, total):
         calls.append(done)
         if len(calls) == 3:
-            assert _children() - before  # the workers are running
+            assert _workers()  # the workers are running
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         kineto.read_trace(str(parallel_trace), workers=2, progress=progress)
-    assert _children() == before
+    assert not _workers()
 
 
 def test_worker_answers_none_for_a_bad_block():
@@ -98,3 +106,15 @@ def test_bad_worker_count_env_is_one_process(monkeypatch, capsys):
     assert "AIPROF_INGEST_WORKERS" in capsys.readouterr().err
     monkeypatch.setenv("AIPROF_INGEST_WORKERS", "3")
     assert kineto.default_workers() == 3
+
+
+def test_bad_event_mid_file_is_named_after_the_fallback(parallel_trace, tmp_path):
+    """A block that a worker declines (a bad event): the workers stop, the file is re-read here
+    and the event is named by its index in the whole file."""
+    data = parallel_trace.read_bytes()
+    at = data.index(b'"ts": ', len(data) // 2)
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(data[:at] + b'"ts": "soon", "was": ' + data[at + 6:])
+    with pytest.raises(TraceError, match=r'traceEvents\[\d+\].*"ts": expected `float`, got `str`'):
+        kineto.read_trace(str(bad), workers=2)
+    assert not _workers()

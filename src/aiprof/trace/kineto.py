@@ -308,13 +308,13 @@ def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
                 buf = buf[cut + 5:]
                 while len(pending) > 2 * workers:  # bound memory: at most a few blocks in flight
                     part = pending.popleft().result()
-                    if part is None:
-                        return None
+                    if part is None:  # leave on an exception: the pool kills the busy workers
+                        raise WorkerLost("a block did not decode")
                     b.merge(part)
             while pending:
                 part = pending.popleft().result()
                 if part is None:
-                    return None
+                    raise WorkerLost("a block did not decode")
                 b.merge(part)
     except WorkerLost:
         return None
