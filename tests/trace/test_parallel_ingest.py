@@ -118,3 +118,18 @@ def test_bad_event_mid_file_is_named_after_the_fallback(parallel_trace, tmp_path
     with pytest.raises(TraceError, match=r'traceEvents\[\d+\].*"ts": expected `float`, got `str`'):
         kineto.read_trace(str(bad), workers=2)
     assert not _workers()
+
+
+def test_bad_json_in_the_tail_is_located_in_the_file(parallel_trace, tmp_path):
+    """After the parallel blocks, invalid JSON in the last event is reported at its offset in
+    the file, as the one-process reader reports it."""
+    data = parallel_trace.read_bytes()
+    at = data.rindex(b'"ts": ')
+    bad = tmp_path / "tail.json"
+    bad.write_bytes(data[:at] + b"@" + data[at + 1:])
+    msgs = []
+    for w in (2, 1):
+        with pytest.raises(TraceError) as exc:
+            kineto.read_trace(str(bad), workers=w)
+        msgs.append(exc.value.problem)
+    assert msgs[0] == msgs[1] and f"(at byte {at:,} of the JSON)" in msgs[0], msgs

@@ -193,9 +193,15 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
                 buf += r.read(chunk_bytes)
             raise _json_error(path, buf)
         i = _skip_ws(buf, key + len(b'"traceEvents"'))
+        while i >= len(buf) - 1 and not r.eof:  # the key ends this chunk: read on to its value
+            buf += r.read(chunk_bytes)
+            i = _skip_ws(buf, i)
         if buf[i:i + 1] != b":":
             raise _json_error(path, buf)
         i = _skip_ws(buf, i + 1)
+        while i >= len(buf) and not r.eof:
+            buf += r.read(chunk_bytes)
+            i = _skip_ws(buf, i)
         if buf[i:i + 1] != b"[":
             raise TraceError(path, "\"traceEvents\" is not an array")
         header = buf[:key]
@@ -209,7 +215,8 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
     if workers > 1 and r.total >= PARALLEL_MIN_BYTES and buf.startswith(_KINETO_FIRST):
         done = _parse_parallel(r, b, buf, chunk_bytes, workers)
         if done is not None:
-            buf, used = done
+            buf, used, consumed = done
+            at.offset += consumed
             tail = _decode_last(b, buf, at, bare=not header)
             meta = _decode_meta(path, header, tail)
             return _finish(path, b, meta, used)
@@ -286,8 +293,9 @@ def decode_block(data: bytes | bytearray) -> Builder | None:
 
 
 def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
-                    workers: int) -> tuple[bytes, int] | None:
-    """Decode Kineto-formatted blocks in ``workers`` processes; return the unconsumed tail.
+                    workers: int) -> tuple[bytes, int, int] | None:
+    """Decode Kineto-formatted blocks in ``workers`` processes; return the unconsumed tail, the
+    workers used and the bytes consumed.
 
     None when a block did not decode or a worker could not run: the caller re-reads the file.
     """
@@ -296,6 +304,7 @@ def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
     from aiprof.trace.workers import WorkerLost, WorkerPool
 
     pending: deque = deque()
+    consumed = 0
     try:
         with WorkerPool(workers) as pool:
             while True:
@@ -306,6 +315,7 @@ def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
                     break  # only the last event and the document's tail are left
                 pending.append(pool.submit(memoryview(buf)[: cut + 4]))
                 buf = buf[cut + 5:]
+                consumed += cut + 5
                 while len(pending) > 2 * workers:  # bound memory: at most a few blocks in flight
                     part = pending.popleft().result()
                     if part is None:  # leave on an exception: the pool kills the busy workers
@@ -318,7 +328,7 @@ def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
                 b.merge(part)
     except WorkerLost:
         return None
-    return buf, workers
+    return buf, workers, consumed
 
 
 def _event_at(b: Builder, at: _At, exc: msgspec.ValidationError) -> TraceError:
