@@ -49,3 +49,15 @@ def unique_pairs(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     inv = np.empty(len(x), dtype=np.intp)
     inv[order] = np.cumsum(first) - 1
     return xs[first], ys[first], inv
+
+
+def take(a: np.ndarray, idx: np.ndarray, fill) -> np.ndarray:
+    """``a[idx]`` where ``idx >= 0``, ``fill`` where ``idx < 0``.
+
+    The usual ``np.where(idx >= 0, a[np.maximum(idx, 0)], fill)`` fails on an empty ``a`` (a
+    table a trace does not have) even when every ``idx`` is -1.
+    """
+    idx = np.asarray(idx)
+    if not len(a):
+        return np.full(idx.shape, fill, dtype=np.result_type(np.asarray(a).dtype, np.min_scalar_type(fill)))
+    return np.where(idx >= 0, a[np.maximum(idx, 0)], fill)

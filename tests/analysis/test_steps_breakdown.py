@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from aiprof.analysis.breakdown import step_breakdown
 from aiprof.analysis.intervals import union
 from aiprof.analysis.report import build_report
 from aiprof.analysis.steps import find_steps
+from aiprof.report import text
 from aiprof.trace.store import open_capture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,6 +108,23 @@ def test_real_cpu_profiler_trace(cpu_trace):
     for s in r["steps"]:
         assert s["compute_us"] == 0 and s["idle_us"] == pytest.approx(s["duration_us"])
     assert r["top_kernels"] == []
+
+
+def test_cpu_only_text_report_has_no_gpu_breakdown(cpu_trace, gpt2_stall):
+    """Issue 18 item 7: on a real CPU-only capture the text report prints no GPU breakdown (all
+    zero there); a GPU capture keeps it."""
+    def render(path) -> str:
+        buf = io.StringIO()
+        text.render(build_report(open_capture(str(path))), file=buf)
+        return buf.getvalue()
+
+    cpu = render(cpu_trace)
+    assert "no GPU activity in this capture (CPU only)" in cpu
+    for gpu_only in ("GPU busy", "comm (exposed)", "GPU idle", "GPU launched", "idle"):
+        assert gpu_only not in cpu.replace("no GPU breakdown", ""), gpu_only
+    assert "Host hotspots (Python functions, ops), by inclusive time" in cpu and "step" in cpu
+    gpu = render(gpt2_stall)
+    assert "GPU busy" in gpu and "comm (exposed)" in gpu and "GPU idle ms" in gpu and "CPU only" not in gpu
 
 
 def test_optimizer_steps_and_entry_and_window(cpu_trace, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,24 @@ CASES = {
     "cut.json": (GOOD[:-30], "truncated"),
     "noevents.json": (b'{"traceEvents": []}', "no profiler events"),
     "wrongtype.json": (b'{"traceEvents": 5}', "not an array"),
+    # issue 18: the real problem, with the event and the field, not "truncated"
+    "no_ts.json": (GOOD.replace(b'"ts": 1, ', b""), 'traceEvents[0] (ph X, cat cpu_op, name \'a\'): "ts" is missing'),
+    "no_ts_2nd.json": (b'{"traceEvents": [' + GOOD[17:-2] + b", " + GOOD[17:-2].replace(b'"ts": 1, ', b"") + b"]}",
+                       'traceEvents[1] (ph X, cat cpu_op, name \'a\'): "ts" is missing'),
+    "str_ts.json": (GOOD.replace(b'"ts": 1', b'"ts": "1"'), 'traceEvents[0]: "ts": expected `float`, got `str`'),
+    "huge_ts.json": (GOOD.replace(b'"ts": 1', b'"ts": 1e300'), '"ts" is 1e+300, outside'),
+    "huge_pid.json": (GOOD.replace(b'"pid": 1', b'"pid": 99999999999999999999'), 'traceEvents[0]: "pid": expected'),
+    "bad_args.json": (GOOD.replace(b'"dur": 1}', b'"dur": 1, "args": {"External id": [1]}}'),
+                      '"args.External id": expected `int | null`, got `array`'),
+    "not_object.json": (b'{"traceEvents": [' + GOOD[17:-2] + b', 7]}', "traceEvents[1]: expected `object`, got `int`"),
+    "nan.json": (GOOD.replace(b'"ts": 1', b'"ts": NaN'),
+                 'not valid JSON inside "traceEvents" (JSON is malformed: invalid character (at byte 85 of the JSON))'),
+    "deep.json": (b"[" * 100_000 + b"]" * 100_000, "traceEvents[0]: expected `object`, got `array`"),
+    "deep_event.json": (b'{"traceEvents": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}",
+                        "traceEvents[0]: expected `object`, got `array`"),
+    "deep_meta.json": (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b", " + GOOD[1:], "JSON nested too deeply"),
+    "deep_args.json.gz": (_gz(GOOD.replace(b'"dur": 1}', b'"dur": 1, "args": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")),
+                          "JSON nested too deeply"),
 }
 
 
@@ -93,3 +112,24 @@ def test_deleted_mid_read_is_rejected(tmp_path, gpt2_stall):
 
     with pytest.raises(TraceError, match="disappeared"):
         kineto.read_trace(str(p), progress=progress, chunk_bytes=1 << 20)
+
+
+def test_array_format_traces_are_analysed(tmp_path):
+    """Issue 18: the Trace Event Format's array form, with or without its closing bracket."""
+    ev = GOOD[17:-2]
+    for name, data in {"array.json": b"[" + ev + b", " + ev + b"]",
+                       "array_open.json": b"[" + ev + b",\n" + ev + b",\n",  # the "]" is optional
+                       "array_open.json.gz": _gz(b"[\n" + ev + b",\n" + ev)}.items():
+        p = tmp_path / name
+        p.write_bytes(data)
+        res = _cli("analyze", "--json", str(p))
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["ranks"][0]["rows"]["ops"] == 2
+
+
+def test_negative_durations_count_as_zero_and_are_counted(tmp_path):
+    p = tmp_path / "neg.json"
+    p.write_bytes(GOOD.replace(b'"dur": 1', b'"dur": -3'))
+    parsed = kineto.read_trace(str(p))
+    assert parsed.tables["ops"]["dur"].tolist() == [0]
+    assert parsed.meta["aiprof_negative_durations"] == 1

@@ -148,3 +148,15 @@ def test_compact_json_and_bare_array(tmp_path):
         assert set(ops["input_dims"]) == {"[[2,3],[3,4]]"} or set(ops["input_dims"]) == {"[[2, 3], [3, 4]]"}
         assert ops["dur"][0] == 2250
     assert kineto.read_trace(str(compact)).meta["deviceProperties"][0]["name"] == "X"
+
+
+def test_chunk_ending_anywhere_in_the_header(tmp_path):
+    """The first chunk may end inside "traceEvents", before its ":" or before its "[" (found by the
+    fuzz tests with small chunks; a header of metadata longer than a chunk does it for real)."""
+    doc = {"schemaVersion": 1, "host_name": "h" * 40, "traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1.0, "dur": 2.0}] * 3}
+    p = tmp_path / "h.json"
+    p.write_text(json.dumps(doc, indent=1).replace('"traceEvents": ', '"traceEvents"  :  \n '))
+    head = p.read_bytes().index(b"[")
+    for chunk in range(head - 24, head + 4):
+        assert kineto.read_trace(str(p), chunk_bytes=chunk, workers=1).n_events == 3, chunk

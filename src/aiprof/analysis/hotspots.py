@@ -247,7 +247,7 @@ def host_tree(rt: RankTrace) -> HostTree:
         starts.append(t["ts"][r])
         ends.append(t["ts"][r] + t["dur"][r])
     mt = main_tid(rt)
-    if not kinds:
+    if not sum(len(r) for r in rows):  # no host table, or no event with a duration
         z = np.zeros(0, dtype=np.int64)
         tree = HostTree(z.astype(np.int8), z, z, labels, z, z, z, z, z, mt, z, z, z,
                         np.full(len(rt.runtime), -1, dtype=np.int64))

@@ -29,5 +29,6 @@ def launch_ts(runtime: Table, gpu: Table) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     ts = gpu["ts"].copy()
     have = rows >= 0
-    ts[have] = runtime["ts"][rows[have]]
+    if have.any():  # a GPU-only export has no runtime table at all
+        ts[have] = runtime["ts"][rows[have]]
     return ts

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import OP, PYTHON, host_tree
 from aiprof.analysis.launch import launch_rows
 from aiprof.trace.store import RankTrace
@@ -69,7 +70,7 @@ def under(rt: RankTrace, kind: str, name: str, limit: int = 200) -> dict:
     # an op nested in an op of the same name would count twice: keep the outermost
     ops &= tree.outermost_by_name()
     node, dur, kcodes, klabels = _kernel_nodes(rt, tree)
-    kin = (node >= 0) & inside[np.maximum(node, 0)]
+    kin = (node >= 0) & npx.take(inside, node, False)
     return {"kind": kind, "name": name, "calls": int(len(roots)),
             "ops": _group(tree.labels, tree.code[ops], (tree.end - tree.start)[ops], limit),
             "kernels": _group(klabels, kcodes[kin], dur[kin], limit)}

@@ -56,7 +56,7 @@ def memory_from_trace(rt: RankTrace, step_of=None, top: int = 10) -> MemoryAnaly
     # aten::empty & co. only allocate on behalf of the op that called them: name that op
     generic = np.array([l.startswith(_GENERIC_ALLOC_OPS) for l in tree.labels] + [False], dtype=bool)
     for _ in range(4):
-        g = (where >= 0) & generic[np.where(where >= 0, tree.code[np.maximum(where, 0)], -1)]
+        g = (where >= 0) & generic[npx.take(tree.code, where, -1)]
         if not g.any():
             break
         up = tree.nearest(tree.parent[where[g]], OP)
@@ -64,7 +64,7 @@ def memory_from_trace(rt: RankTrace, step_of=None, top: int = 10) -> MemoryAnaly
         if (up < 0).all():
             break
     labels = list(tree.labels) + ["(outside any op)"]
-    code = np.where(where >= 0, tree.code[np.maximum(where, 0)], len(labels) - 1)
+    code = npx.take(tree.code, where, len(labels) - 1)
     tot = np.bincount(code, weights=nbytes[pos], minlength=len(labels))
     cnt = np.bincount(code, minlength=len(labels))
     tops = [{"where": labels[c], "calls": int(cnt[c]), "bytes": int(tot[c])}

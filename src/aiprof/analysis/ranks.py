@@ -117,7 +117,7 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
     st = start[order]
     if steps.source == "ProfilerStep":
         i = steps.index_of(st)
-        num = np.where(i >= 0, steps.number[np.maximum(i, 0)], -1)
+        num = npx.take(steps.number, i, -1)
     else:
         num = np.full(len(st), -1, dtype=np.int64)
     return RankCollectives(rt.rank, side, np.asarray(pg, dtype=object)[order], np.asarray(sig, dtype=object)[order],
@@ -251,7 +251,7 @@ def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None
             b = by_rank[r]
             mb = np.nonzero(b.pg == p)[0]
             j = match_lists(a.sig[ma], a.step[ma], a.end[ma], a.seq[ma], b.sig[mb], b.step[mb], b.end[mb], b.seq[mb])
-            pg_match[p][r] = np.where(j >= 0, mb[np.maximum(j, 0)], -1)
+            pg_match[p][r] = npx.take(mb, j, -1)
     # offsets: end-time differences against each group's reference, chained from the global reference
     use_ends = all(c.side != "cpu" for c in have)
     global_ref = max(have, key=lambda c: (len(c), -c.rank)).rank

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from aiprof import __version__
+from aiprof import __version__, npx
 from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
 from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
@@ -84,7 +84,7 @@ def summarize(steps: list[StepBreakdown]) -> dict:
 def _step_of(steps: Steps):
     def f(ts: np.ndarray) -> np.ndarray:
         i = steps.index_of(ts)
-        return np.where(i >= 0, steps.number[np.maximum(i, 0)], -1)
+        return npx.take(steps.number, i, -1)
     return f
 
 

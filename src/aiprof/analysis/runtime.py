@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import OP, PYTHON, gpu_busy, has_gpu, host_tree, idle_ns
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps, find_steps
@@ -75,7 +76,7 @@ def runtime_analysis(rt: RankTrace, steps: Steps | None = None, top: int = 15) -
 
     def step_of(ts: np.ndarray) -> np.ndarray:
         i = steps.index_of(ts)
-        return np.where(i >= 0, steps.number[np.maximum(i, 0)], -1)
+        return npx.take(steps.number, i, -1)
 
     r = rt.runtime
     if not len(r):
@@ -124,7 +125,7 @@ def sync_sites(rt: RankTrace, step_of=None) -> list[SyncSite]:
     groups: dict[tuple[str, str, str], list[int]] = {}
     op_names = [tree.name(o) if o >= 0 else "" for o in ops]
     # per distinct (op, python parent) pair; the number of syncs is small compared to events
-    py = tree.nearest(np.where(nodes >= 0, tree.parent[np.maximum(nodes, 0)], -1), PYTHON)
+    py = tree.nearest(npx.take(tree.parent, nodes, -1), PYTHON)
     site_cache: dict[int, str] = {}
     for i, row in enumerate(rows):
         p = int(py[i])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.trace.store import RankTrace
 
 _PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
@@ -36,7 +37,7 @@ class Steps:
         """Step index (0..n-1) containing each timestamp, or -1 when outside every step."""
         ts = np.asarray(ts, dtype=np.int64)
         i = np.searchsorted(self.start, ts, side="right") - 1
-        ok = (i >= 0) & (ts < self.end[np.maximum(i, 0)])
+        ok = (i >= 0) & (ts < npx.take(self.end, i, 0))
         return np.where(ok, i, -1)
 
 

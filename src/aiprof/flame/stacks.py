@@ -259,10 +259,10 @@ def gpu_profile(rt: RankTrace, step: Optional[int] = None, forest: Optional[Host
         return Profile(name, [], np.zeros(0, np.int64))
     lr = launch_rows(rt.runtime, g)
     row = np.where(lr >= 0, fo.offset["runtime"] + lr, -1)
-    node = np.where(row >= 0, fo.node[np.maximum(row, 0)], -1)
+    node = npx.take(fo.node, row, -1)
     win = _select_step(rt, step, steps)
     if win is not None:
-        t = np.where(row >= 0, fo.start[np.maximum(row, 0)], g["ts"])
+        t = np.where(row >= 0, npx.take(fo.start, row, 0), g["ts"])
         keep = (t >= win[0]) & (t < win[1])
         node, g = node[keep], g.take(keep)
     names = g.strings("name")

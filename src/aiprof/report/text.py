@@ -18,8 +18,20 @@ def _short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
+def _has_gpu(rank: dict) -> bool:
+    """False for a CPU-only capture: its GPU breakdown (all idle, all zero) means nothing."""
+    return bool((rank.get("hotspots") or {}).get("has_gpu", True))
+
+
 def _steps_table(rank: dict) -> Table:
-    t = Table(title=f"Steps (from {rank['step_source']}), times in ms", title_justify="left", show_edge=False)
+    title = f"Steps (from {rank['step_source']}), times in ms"
+    t = Table(title=title, title_justify="left", show_edge=False, min_width=len(title))
+    if not _has_gpu(rank):
+        for col in ("step", "duration", "data loading"):
+            t.add_column(col, justify="right")
+        for s in rank["steps"]:
+            t.add_row(str(s["step"]), _ms(s["duration_us"]), _ms(s["dataloader_us"]))
+        return t
     for col in ("step", "duration", "compute", "comm (exposed)", "memory", "idle", "GPU busy", "runtime", "sync", "launches"):
         t.add_column(col, justify="right")
     for s in rank["steps"]:
@@ -42,11 +54,15 @@ def _kernels_table(rank: dict) -> Table:
 
 def _ranks_table(report: dict) -> Table:
     t = Table(title="Ranks (sums over steps), times in ms", title_justify="left", show_edge=False)
-    for col in ("rank", "steps", "median step", "compute", "comm (exposed)", "memory", "idle", "GPU busy"):
+    gpu = any(_has_gpu(r) for r in report["ranks"])
+    for col in ("rank", "steps", "median step") + (("compute", "comm (exposed)", "memory", "idle", "GPU busy") if gpu else ()):
         t.add_column(col, justify="right")
     for r in report["ranks"]:
         s = r["summary"]
         if not s:
+            continue
+        if not gpu:
+            t.add_row(str(r["rank"]), str(s["steps"]), _ms(s["step_median_us"]))
             continue
         t.add_row(str(r["rank"]), str(s["steps"]), _ms(s["step_median_us"]), _ms(s["compute_us"]),
                   _ms(s["communication_us"]), _ms(s["memory_us"]), _ms(s["idle_us"]), f"{s['gpu_busy_pct']:.1f}%")
@@ -116,7 +132,10 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         dev = r["device"]
         s = r["summary"]
         console.print(Text(f"Rank {r['rank']} · {dev.get('name') or 'unknown device'} · {r['source']}", style="bold cyan"))
-        if s:
+        if s and not _has_gpu(r):
+            console.print(f"window {_ms(r['window']['duration_us'])} ms · {s['steps']} step(s), median "
+                          f"{_ms(s['step_median_us'])} ms · no GPU activity in this capture (CPU only): no GPU breakdown")
+        elif s:
             console.print(f"window {_ms(r['window']['duration_us'])} ms · {s['steps']} step(s), median "
                           f"{_ms(s['step_median_us'])} ms · GPU busy {s['gpu_busy_pct']:.1f}% · "
                           f"compute {_ms(s['compute_us'])} · exposed comm {_ms(s['communication_us'])} · "
@@ -177,6 +196,13 @@ def _hotspots_table(rank: dict, n: int = 12) -> Table | None:
     items = (rank.get("hotspots") or {}).get("items") or []
     if not items:
         return None
+    if not _has_gpu(rank):  # no GPU: ranked by host time (the GPU-idle key is 0 everywhere)
+        t = Table(title="Host hotspots (Python functions, ops), by inclusive time", title_justify="left", show_edge=False)
+        for col, j in (("item", "left"), ("kind", "left"), ("calls", "right"), ("incl ms", "right"), ("excl ms", "right")):
+            t.add_column(col, justify=j)
+        for h in items[:n]:
+            t.add_row(_short(h["name"], 60), h["kind"], str(h["calls"]), _ms(h["inclusive_us"]), _ms(h["exclusive_us"]))
+        return t
     t = Table(title="Host hotspots (Python functions, ops), by GPU-idle time inside them", title_justify="left",
               show_edge=False)
     for col, j in (("item", "left"), ("kind", "left"), ("calls", "right"), ("incl ms", "right"), ("excl ms", "right"),

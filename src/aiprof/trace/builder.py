@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import msgspec
 import numpy as np
 
 from aiprof import npx
@@ -11,6 +12,7 @@ from aiprof.trace.columns import Columns
 from aiprof.trace.events import (
     CollArgs,
     Ev,
+    EventError,
     KernelArgs,
     MemopArgs,
     MemoryArgs,
@@ -21,7 +23,27 @@ from aiprof.trace.events import (
     SyncArgs,
     decode_args,
 )
+from aiprof.trace.hwcsv import hw_table
 from aiprof.trace.table import Table
+
+# Times become int64 ns. A ts in [-2^60, 2^62] ns (2^62 ns: the year 2116 on a Unix-epoch clock)
+# and a dur up to 2^61 ns (73 years) keep every ts - anchor and ts + dur inside int64.
+TS_MIN_US = -(2.0**60) / 1000.0
+TS_MAX_US = 2.0**62 / 1000.0
+DUR_MAX_US = 2.0**61 / 1000.0
+
+
+def _checked(evs: list[Ev], field: str, lo: float, hi: float) -> np.ndarray:
+    """The events' ``field`` as float64; EventError for the first one missing or out of range."""
+    a = np.array([e.ts for e in evs] if field == "ts" else [e.dur for e in evs], dtype=np.float64)
+    bad = ~((a >= lo) & (a <= hi))  # NaN (missing) fails both
+    if bad.any():
+        i = int(np.argmax(bad))
+        v = float(a[i])
+        problem = (f'"{field}" is missing' if np.isnan(v) else
+                   f'"{field}" is {v:g}, outside [{lo:g}, {hi:g}] µs')
+        raise EventError(i, field, problem, evs[i])
+    return a
 
 
 def _opt(values, default):
@@ -58,16 +80,27 @@ class Builder:
         self.kernel_cls: dict[tuple[str, bool], str] = {}
         self.agent_threads: list[int] = []
         self.n_events = 0
+        self.negative_durations = 0  # clamped to 0 (see _dur_ns)
 
-    def _ns(self, ts: list[float]) -> np.ndarray:
-        a = np.asarray(ts, dtype=np.float64)
+    def _ns(self, evs: list[Ev]) -> np.ndarray:
+        """The events' ``ts`` in integer ns (EventError when one is missing or out of range)."""
+        a = _checked(evs, "ts", TS_MIN_US, TS_MAX_US)
         if self.ts0 is None:
             self.ts0 = float(np.floor(a.min())) if len(a) else 0.0
         return np.rint((a - self.ts0) * 1000.0).astype(np.int64) + int(self.ts0) * 1000
 
+    def _dur_ns(self, evs: list[Ev], count: bool = True) -> np.ndarray:
+        """The events' ``dur`` in integer ns; a negative one (a broken exporter) counts as 0."""
+        a = _checked(evs, "dur", -DUR_MAX_US, DUR_MAX_US)
+        neg = a < 0
+        if neg.any():
+            self.negative_durations += int(neg.sum()) if count else 0
+            a = np.maximum(a, 0.0)
+        return np.rint(a * 1000.0).astype(np.int64)
+
     def _common(self, c: Columns, evs: list[Ev], host: bool) -> None:
-        c.add_num("ts", self._ns([e.ts for e in evs]), np.int64)
-        c.add_num("dur", np.rint(np.asarray([e.dur for e in evs], dtype=np.float64) * 1000.0), np.int64)
+        c.add_num("ts", self._ns(evs), np.int64)
+        c.add_num("dur", self._dur_ns(evs), np.int64)
         c.add_str("name", [e.name for e in evs])
         if host:
             c.add_num("pid", [e.pid if type(e.pid) is int else _pid(e.pid) for e in evs], np.int64)
@@ -81,7 +114,17 @@ class Builder:
         return c
 
     def add(self, evs: list[Ev]) -> None:
+        """Add decoded events; EventError (index counted from this builder's first event) on a bad one."""
+        base = self.n_events
         self.n_events += len(evs)
+        try:
+            self._add(evs)
+        except EventError as err:
+            pos = next((i for i, e in enumerate(evs) if e is err.event), None)
+            err.index = base + (pos if pos is not None else 0)
+            raise
+
+    def _add(self, evs: list[Ev]) -> None:
         buckets: dict[str, list[Ev]] = {}
         for e in evs:
             key = e.cat if e.ph == "X" else e.ph
@@ -189,8 +232,8 @@ class Builder:
         evs = [all_evs[i] for i in pick]
         a = [all_args[i] for i in pick]
         c = self._cols("collectives")
-        c.add_num("ts", self._ns([e.ts for e in evs]), np.int64)
-        c.add_num("dur", np.rint(np.asarray([e.dur for e in evs]) * 1000.0), np.int64)
+        c.add_num("ts", self._ns(evs), np.int64)
+        c.add_num("dur", self._dur_ns(evs, count=False), np.int64)  # counted by _common
         c.add_str("name", [e.name for e in evs])
         c.add_str("side", [side] * len(evs))
         c.add_num("tid", [getattr(x, "stream", None) if side == "gpu" and getattr(x, "stream", None) is not None
@@ -213,7 +256,7 @@ class Builder:
         if not evs:
             return
         c = self._cols("memory")
-        c.add_num("ts", self._ns([e.ts for e in evs]), np.int64)
+        c.add_num("ts", self._ns(evs), np.int64)
         c.add_num("pid", [_pid(e.pid) for e in evs], np.int64)
         c.add_num("tid", [_pid(e.tid) for e in evs], np.int64)
         a = decode_args(evs, MemoryArgs)
@@ -242,7 +285,7 @@ class Builder:
 
     def _flow_points(self, evs: list[Ev], end: int) -> None:
         # Paired in finish(): a flow's start and end may sit in different chunks.
-        self.flow_pts.append((end, [(e.cat, e.id) for e in evs], self._ns([e.ts for e in evs]),
+        self.flow_pts.append((end, [(e.cat, e.id) for e in evs], self._ns(evs),
                               np.array([e.pid if type(e.pid) is int else _pid(e.pid) for e in evs], np.int64),
                               np.array([e.tid if type(e.tid) is int else _pid(e.tid) for e in evs], np.int64)))
 
@@ -279,6 +322,7 @@ class Builder:
         for key, names in other.threads.items():
             self.threads.setdefault(key, {}).update(names)
         self.n_events += other.n_events
+        self.negative_durations += other.negative_durations
 
     def finish(self) -> dict[str, Table]:
         tables = {name: c.table() for name, c in self.t.items() if c.rows}
@@ -327,6 +371,33 @@ _HANDLERS: dict[str, Callable[[Builder, list[Ev]], None]] = {
 # Tables every capture has (possibly empty), in the order the docs list them.
 TABLES = ("ops", "annotations", "python", "runtime", "kernels", "memops", "gpu_sync", "flows",
           "collectives", "memory", "threads", "hw")
+
+
+def _schema() -> dict[str, Table]:
+    """Every table's columns with no rows, made by the handlers themselves from one event each."""
+    def ev(ph: str, cat: str = "", name: str = "x", id: int | None = None) -> Ev:
+        return Ev(ph=ph, cat=cat, name=name, pid=1, tid=1, ts=0.0, dur=0.0, id=id,
+                  args=msgspec.Raw(b'{"Collective name": "allreduce", "name": "x"}'))
+    b = Builder()
+    b.add([ev("X", cat) for cat in _HANDLERS if cat not in ("i", "M", "s", "f")]
+          + [ev("i", name="[memory]"), ev("M", name="thread_name"), ev("s", "ac2g", id=1), ev("f", "ac2g", id=1)])
+    tables = b.finish()
+    tables["hw"] = hw_table([], [], [], [])
+    missing = set(TABLES) - set(tables)
+    assert not missing, f"tables without a schema: {missing}"
+    return {name: t.take(np.zeros(0, np.int64)) for name, t in tables.items()}
+
+
+_EMPTY: dict[str, Table] = {}
+
+
+def empty_table(name: str) -> Table:
+    """The named table with all its columns and no rows: what an analysis reads when a trace has
+    no such events, so that every analysis runs on every subset of tables."""
+    if not _EMPTY:
+        _EMPTY.update(_schema())
+    t = _EMPTY.get(name)
+    return Table(dict(t.columns)) if t is not None else Table()
 
 
 _AGENT_CODE = "aiprof/agent/"

@@ -7,17 +7,63 @@ decodes the args of all its events in one call with a small struct of just the f
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+import re
+from typing import Annotated, Optional, Union
 
 import msgspec
-from msgspec import Raw
+from msgspec import Meta, Raw
+
+# Integers land in int64 columns (regs in int32), floats in float32 ones: a value outside is a
+# bad event (EventError), never an overflow deep in numpy.
+I64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+I32 = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+F32 = Annotated[float, Meta(ge=-3.4e38, le=3.4e38)]
+MISSING = float("nan")  # JSON has no NaN, so a NaN time means the event had no such field
+
+
+class EventError(Exception):
+    """An event that the reader cannot use: which one, which field, what is wrong with it.
+
+    ``index`` counts events from the start of the builder that raised it (the trace reader adds
+    the events before it); ``event`` is the decoded event when there is one.
+    """
+
+    def __init__(self, index: int, field: str, problem: str, event: Ev | None = None) -> None:
+        super().__init__(problem)
+        self.index = index
+        self.field = field
+        self.problem = problem
+        self.event = event
+
+    def describe(self, offset: int = 0) -> str:
+        """One line: ``traceEvents[N] (ph X, cat kernel, name "..."): problem``."""
+        e = self.event
+        what = ""
+        if e is not None:
+            name = e.name if len(e.name) <= 60 else e.name[:59] + "…"
+            what = f" (ph {e.ph or '?'}, cat {e.cat or '?'}, name {name!r})"
+        return f"traceEvents[{self.index + offset}]{what}: {self.problem}"
+
+
+_AT = re.compile(r"^(.*?)(?: - at `\$\[(\d+)\]\.?(.*)`)?$", re.DOTALL)
+
+
+def validation_error(exc: msgspec.ValidationError, prefix: str = "", evs: list[Ev] | None = None) -> EventError:
+    """An EventError from msgspec's "... - at `$[i].field`" (``prefix``: where the decoded part sits)."""
+    m = _AT.match(str(exc))
+    msg, idx, field = (m.group(1), m.group(2), m.group(3)) if m else (str(exc), None, "")
+    i = int(idx) if idx is not None else 0
+    field = ".".join(p for p in (prefix, field) if p)
+    where = f'"{field}": ' if field else ""
+    return EventError(i, field, f"{where}{msg[:1].lower()}{msg[1:]}",
+                      evs[i] if evs is not None and i < len(evs) else None)
 
 
 class _A(msgspec.Struct, gc=False):
     """Args shared by every event kind that links host and GPU work."""
 
-    ext: Optional[int] = msgspec.field(default=None, name="External id")
-    ext_old: Optional[int] = msgspec.field(default=None, name="external id")
+    ext: Optional[I64] = msgspec.field(default=None, name="External id")
+    ext_old: Optional[I64] = msgspec.field(default=None, name="external id")
 
     @property
     def ext_id(self) -> int:
@@ -28,21 +74,21 @@ class CollArgs(_A, gc=False):
     """Collective args (record_param_comms on ops/annotations, and NCCL kernels)."""
 
     coll: Optional[str] = msgspec.field(default=None, name="Collective name")
-    in_nelems: Optional[int] = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: Optional[int] = msgspec.field(default=None, name="Out msg nelems")
-    in_size_old: Optional[int] = msgspec.field(default=None, name="In msg size")
-    out_size_old: Optional[int] = msgspec.field(default=None, name="Out msg size")
-    group_size: Optional[int] = msgspec.field(default=None, name="Group size")
+    in_nelems: Optional[I64] = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: Optional[I64] = msgspec.field(default=None, name="Out msg nelems")
+    in_size_old: Optional[I64] = msgspec.field(default=None, name="In msg size")
+    out_size_old: Optional[I64] = msgspec.field(default=None, name="Out msg size")
+    group_size: Optional[I64] = msgspec.field(default=None, name="Group size")
     dtype: Optional[str] = None
     pg_name: Optional[str] = msgspec.field(default=None, name="Process Group Name")
     pg_desc: Optional[str] = msgspec.field(default=None, name="Process Group Description")
     pg_ranks: Raw = msgspec.field(default=Raw(), name="Process Group Ranks")
-    coll_seq: Optional[int] = msgspec.field(default=None, name="Seq")
+    coll_seq: Optional[I64] = msgspec.field(default=None, name="Seq")
 
 
 class OpArgs(CollArgs, gc=False):
-    seq: Optional[int] = msgspec.field(default=None, name="Sequence number")
-    fwd_tid: Optional[int] = msgspec.field(default=None, name="Fwd thread id")
+    seq: Optional[I64] = msgspec.field(default=None, name="Sequence number")
+    fwd_tid: Optional[I64] = msgspec.field(default=None, name="Fwd thread id")
     dims: Raw = msgspec.field(default=Raw(), name="Input Dims")
     dims_old: Raw = msgspec.field(default=Raw(), name="Input dims")
     types: Raw = msgspec.field(default=Raw(), name="Input type")
@@ -50,16 +96,16 @@ class OpArgs(CollArgs, gc=False):
 
 
 class PyArgs(msgspec.Struct, gc=False):
-    py_id: Optional[int] = msgspec.field(default=None, name="Python id")
-    py_parent: Optional[int] = msgspec.field(default=None, name="Python parent id")
-    py_module: Optional[int] = msgspec.field(default=None, name="Python module id")
+    py_id: Optional[I64] = msgspec.field(default=None, name="Python id")
+    py_parent: Optional[I64] = msgspec.field(default=None, name="Python parent id")
+    py_module: Optional[I64] = msgspec.field(default=None, name="Python module id")
 
 
 class _GpuArgs(CollArgs, gc=False):
-    corr: Optional[int] = msgspec.field(default=None, name="correlation")
-    corr_old: Optional[int] = msgspec.field(default=None, name="correlation id")
-    device: Optional[int] = None
-    stream: Optional[int] = None
+    corr: Optional[I64] = msgspec.field(default=None, name="correlation")
+    corr_old: Optional[I64] = msgspec.field(default=None, name="correlation id")
+    device: Optional[I64] = None
+    stream: Optional[I64] = None
 
     @property
     def corr_id(self) -> int:
@@ -67,40 +113,40 @@ class _GpuArgs(CollArgs, gc=False):
 
 
 class RuntimeArgs(_GpuArgs, gc=False):
-    cbid: Optional[int] = None
+    cbid: Optional[I64] = None
 
 
 class KernelArgs(_GpuArgs, gc=False):
-    queued: Optional[int] = None
-    grid: Optional[list[int]] = None
-    block: Optional[list[int]] = None
-    regs: Optional[int] = msgspec.field(default=None, name="registers per thread")
-    smem: Optional[int] = msgspec.field(default=None, name="shared memory")
-    blocks_sm: Optional[float] = msgspec.field(default=None, name="blocks per SM")
-    warps_sm: Optional[float] = msgspec.field(default=None, name="warps per SM")
-    occupancy: Optional[float] = msgspec.field(default=None, name="est. achieved occupancy %")
+    queued: Optional[I64] = None
+    grid: Optional[list[I64]] = None
+    block: Optional[list[I64]] = None
+    regs: Optional[I32] = msgspec.field(default=None, name="registers per thread")
+    smem: Optional[I64] = msgspec.field(default=None, name="shared memory")
+    blocks_sm: Optional[F32] = msgspec.field(default=None, name="blocks per SM")
+    warps_sm: Optional[F32] = msgspec.field(default=None, name="warps per SM")
+    occupancy: Optional[F32] = msgspec.field(default=None, name="est. achieved occupancy %")
 
 
 class MemopArgs(_GpuArgs, gc=False):
-    nbytes: Optional[int] = msgspec.field(default=None, name="bytes")
+    nbytes: Optional[I64] = msgspec.field(default=None, name="bytes")
 
 
 class SyncArgs(_GpuArgs, gc=False):
-    wait_stream: Optional[int] = msgspec.field(default=None, name="wait_on_stream")
-    wait_corr: Optional[int] = msgspec.field(default=None, name="wait_on_cuda_event_record_corr_id")
+    wait_stream: Optional[I64] = msgspec.field(default=None, name="wait_on_stream")
+    wait_corr: Optional[I64] = msgspec.field(default=None, name="wait_on_cuda_event_record_corr_id")
 
 
 class MemoryArgs(msgspec.Struct, gc=False):
-    mem_bytes: Optional[int] = msgspec.field(default=None, name="Bytes")
-    total_alloc: Optional[int] = msgspec.field(default=None, name="Total Allocated")
-    total_reserved: Optional[int] = msgspec.field(default=None, name="Total Reserved")
-    addr: Optional[int] = msgspec.field(default=None, name="Addr")
-    device_id: Optional[int] = msgspec.field(default=None, name="Device Id")
-    device_type: Optional[int] = msgspec.field(default=None, name="Device Type")
+    mem_bytes: Optional[I64] = msgspec.field(default=None, name="Bytes")
+    total_alloc: Optional[I64] = msgspec.field(default=None, name="Total Allocated")
+    total_reserved: Optional[I64] = msgspec.field(default=None, name="Total Reserved")
+    addr: Optional[I64] = msgspec.field(default=None, name="Addr")
+    device_id: Optional[I64] = msgspec.field(default=None, name="Device Id")
+    device_type: Optional[I64] = msgspec.field(default=None, name="Device Type")
 
 
 class MetaArgs(msgspec.Struct, gc=False):
-    label: Optional[Union[str, int]] = msgspec.field(default=None, name="name")
+    label: Optional[Union[str, I64]] = msgspec.field(default=None, name="name")
 
 
 class Ev(msgspec.Struct, gc=False):
@@ -109,11 +155,11 @@ class Ev(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str = ""
     name: str = ""
-    pid: Union[int, str] = 0
-    tid: Union[int, str] = 0
-    ts: float = 0.0
-    dur: float = 0.0
-    id: Union[int, str, None] = None
+    pid: Union[I64, str] = 0
+    tid: Union[I64, str] = 0
+    ts: float = MISSING
+    dur: float = MISSING
+    id: Union[I64, str, None] = None
     args: Raw = Raw()
 
 
@@ -123,8 +169,14 @@ _ARGS_DECODERS: dict[type, msgspec.json.Decoder] = {}
 
 
 def decode_args(evs: list[Ev], kind: type) -> list:
-    """Decode the args of a group of events of one kind in a single call (C speed)."""
+    """Decode the args of a group of events of one kind in a single call (C speed).
+
+    Raises :class:`EventError` naming the first event whose args have a wrong type.
+    """
     dec = _ARGS_DECODERS.get(kind)
     if dec is None:
         dec = _ARGS_DECODERS[kind] = msgspec.json.Decoder(list[kind])
-    return dec.decode(b"[" + b",".join([e.args if len(e.args) else b"{}" for e in evs]) + b"]")
+    try:
+        return dec.decode(b"[" + b",".join([e.args if len(e.args) else b"{}" for e in evs]) + b"]")
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc, "args", evs) from None

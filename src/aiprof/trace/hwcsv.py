@@ -8,6 +8,7 @@ read samples from the store like any other table.
 from __future__ import annotations
 
 import csv
+import math
 import os
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from aiprof.trace.table import Table, encode_strings
 
 HW_FILE = "hw.csv"
+_TS_MAX_US = 2.0**62 / 1000.0  # times are int64 ns (as in trace.builder)
 
 
 def hw_path_for(trace_path: str) -> str | None:
@@ -32,10 +34,17 @@ def read_hw_csv(path: str) -> Table:
                 t, v = float(rec["ts_us"]), float(rec["value"])
             except (KeyError, TypeError, ValueError):
                 continue
+            if not math.isfinite(t) or abs(t) > _TS_MAX_US:
+                continue  # not a time on the trace's clock (a NaN value is a real sample: kept)
             ts.append(t)
             val.append(v)
             dev.append(rec.get("device") or "")
             met.append(rec.get("metric") or "")
+    return hw_table(ts, dev, met, val)
+
+
+def hw_table(ts: list[float], dev: list[str], met: list[str], val: list[float]) -> Table:
+    """The ``hw`` table from samples (ts in µs), sorted by time."""
     order = np.argsort(np.asarray(ts, dtype=np.float64), kind="stable")
     tns = np.rint(np.asarray(ts, dtype=np.float64) * 1000.0).astype(np.int64)[order]
     dev = [dev[i] for i in order]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -21,10 +23,10 @@ import msgspec
 
 from aiprof.errors import TraceError
 from aiprof.trace.builder import TABLES, Builder
-from aiprof.trace.events import ANY, EVENTS
+from aiprof.trace.events import ANY, EVENTS, EventError, validation_error
 from aiprof.trace.table import Table
 
-__all__ = ["CHUNK_BYTES", "TABLES", "ParsedTrace", "read_trace"]
+__all__ = ["CHUNK_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_trace"]
 
 CHUNK_BYTES = 8 << 20
 _MAX_CUT_TRIES = 12
@@ -38,6 +40,7 @@ class ParsedTrace:
     tables: dict[str, Table]
     meta: dict
     n_events: int
+    workers: int = 1  # processes that decoded it (1: this one)
 
 
 class _Reader:
@@ -119,12 +122,13 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
                chunk_bytes: int = CHUNK_BYTES, workers: Optional[int] = None) -> ParsedTrace:
     """Parse one Kineto trace file into tables. Raises :class:`TraceError` on bad input.
 
-    ``workers`` > 1 decodes large Kineto-formatted files in that many processes (default:
-    $AIPROF_INGEST_WORKERS, else the number of CPUs, at most 4); small files are always read in
-    this process.
+    ``workers`` > 1 decodes large Kineto-formatted files in that many worker processes
+    (default: $AIPROF_INGEST_WORKERS, else the number of usable CPUs, at most 4); small files are
+    always read in this process. The workers are started by aiprof (:mod:`aiprof.trace.workers`)
+    and never run the caller's ``__main__``; when they cannot run, the file is read here.
     """
     if workers is None:
-        workers = int(os.environ.get("AIPROF_INGEST_WORKERS") or min(4, os.cpu_count() or 1))
+        workers = default_workers()
     try:
         reader = _Reader(path, progress)
     except FileNotFoundError:
@@ -144,8 +148,30 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
         return parsed
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise TraceError(path, f"read failed ({exc})") from None
+    except RecursionError:  # only msgspec's decoding recurses here: the input nests too deep
+        raise TraceError(path, "JSON nested too deeply to be a trace (more than "
+                               f"{sys.getrecursionlimit()} levels)") from None
     finally:
         reader.close()
+
+
+_MAX_DEFAULT_WORKERS = 4  # beyond 4, the one reading thread (inflate, cut) is the bottleneck
+
+
+def default_workers() -> int:
+    """Ingest worker processes: $AIPROF_INGEST_WORKERS, else usable CPUs (at most 4)."""
+    env = (os.environ.get("AIPROF_INGEST_WORKERS") or "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            print(f"aiprof: warning: AIPROF_INGEST_WORKERS={env!r} is not a number; using 1", file=sys.stderr)
+            return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return min(_MAX_DEFAULT_WORKERS, cpus)
 
 
 def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
@@ -167,9 +193,15 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
                 buf += r.read(chunk_bytes)
             raise _json_error(path, buf)
         i = _skip_ws(buf, key + len(b'"traceEvents"'))
+        while i >= len(buf) - 1 and not r.eof:  # the key ends this chunk: read on to its value
+            buf += r.read(chunk_bytes)
+            i = _skip_ws(buf, i)
         if buf[i:i + 1] != b":":
             raise _json_error(path, buf)
         i = _skip_ws(buf, i + 1)
+        while i >= len(buf) and not r.eof:
+            buf += r.read(chunk_bytes)
+            i = _skip_ws(buf, i)
         if buf[i:i + 1] != b"[":
             raise TraceError(path, "\"traceEvents\" is not an array")
         header = buf[:key]
@@ -179,100 +211,147 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
 
     b = Builder()
     buf = buf[pos:]
+    at = _At(path, pos)
     if workers > 1 and r.total >= PARALLEL_MIN_BYTES and buf.startswith(_KINETO_FIRST):
         done = _parse_parallel(r, b, buf, chunk_bytes, workers)
         if done is not None:
-            buf = done
-            tail = _decode_last(b, buf, path)
+            buf, used, consumed = done
+            at.offset += consumed
+            tail = _decode_last(b, buf, at, bare=not header)
             meta = _decode_meta(path, header, tail)
-            return _finish(path, b, meta)
-        # a block did not decode: this file only looks Kineto-formatted; start over sequentially
+            return _finish(path, b, meta, used)
+        # a block did not decode, or the workers could not run: read the file here, from its start
         r.rewind()
         return _parse(r, chunk_bytes, workers=1)
     while True:
         if not r.eof and len(buf) < chunk_bytes:
             buf += r.read(chunk_bytes)
             continue
-        consumed = _decode_bulk(b, buf, path, at_eof=r.eof)
+        consumed = _decode_bulk(b, buf, at)
         if consumed is None:  # no cut decoded: take more input, or give up
             if r.eof:
                 break
             if len(buf) > 8 * chunk_bytes:
-                raise _syntax_error(path, buf)
+                raise _syntax_error(buf, at)
             buf += r.read(chunk_bytes)
             continue
         buf = buf[consumed:]
+        at.offset += consumed
         if r.eof:
             break
     # What is left holds the last event(s), the closing bracket and the document's tail.
-    tail = _decode_last(b, buf, path)
+    tail = _decode_last(b, buf, at, bare=not header)
     meta = _decode_meta(path, header, tail)
     return _finish(path, b, meta)
 
 
-def _finish(path: str, b: Builder, meta: dict) -> ParsedTrace:
+@dataclass
+class _At:
+    """Where the buffer being decoded starts: to name a bad byte by its offset in the file's JSON."""
+
+    path: str
+    offset: int
+
+    def error(self, problem: str) -> TraceError:
+        return TraceError(self.path, problem)
+
+    def event_error(self, err: EventError) -> TraceError:
+        return TraceError(self.path, err.describe())
+
+
+def _finish(path: str, b: Builder, meta: dict, workers: int = 1) -> ParsedTrace:
     tables = b.finish()
     if b.agent_threads:
         meta["aiprof_agent_threads_dropped"] = b.agent_threads
+    if b.negative_durations:
+        meta["aiprof_negative_durations"] = b.negative_durations
     if b.n_events == 0 or not tables:
         raise TraceError(path, "no profiler events in \"traceEvents\" (is this a torch.profiler trace?)")
-    return ParsedTrace(tables=tables, meta=meta, n_events=b.n_events)
+    return ParsedTrace(tables=tables, meta=meta, n_events=b.n_events, workers=workers)
 
 
 # Kineto writes one event per block: "  {" at indent 2, its fields deeper, and "\n  },\n  {"
 # between events. JSON strings cannot hold a raw newline, so that separator is never inside a
 # string; with Kineto's indentation it is never inside a nested object either. That makes the
 # cut safe without decoding, so blocks can be decoded in other processes. Should a block fail to
-# decode anyway (a file that only looks Kineto-formatted), the whole file is re-read sequentially.
+# decode anyway (a file that only looks Kineto-formatted, or a bad event), the whole file is
+# re-read in this process, which names the problem precisely.
 _KINETO_FIRST = b"\n  {\n"
 _KINETO_SEP = b"\n  },\n  {"
-PARALLEL_MIN_BYTES = 48 << 20
+PARALLEL_MIN_BYTES = 48 << 20  # below, starting the workers costs more than it saves
 
 
-def _decode_block(block: bytes) -> Optional[Builder]:
-    """Worker: decode one block of complete events into a fresh builder (None if it fails)."""
+def decode_block(data: bytes | bytearray) -> Builder | None:
+    """Worker side: decode ``[`` events ``]`` into a fresh builder (None if anything is wrong)."""
     try:
-        evs = EVENTS.decode(b"[" + block + b"]")
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        evs = EVENTS.decode(data)
+        b = Builder()
+        b.add(evs)
+    except (msgspec.DecodeError, EventError):  # DecodeError includes ValidationError
         return None
-    b = Builder()
-    b.add(evs)
     return b
 
 
-def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int, workers: int) -> Optional[bytes]:
-    """Decode Kineto-formatted blocks in ``workers`` processes; return the unconsumed tail."""
-    import multiprocessing
-    from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
+def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
+                    workers: int) -> tuple[bytes, int, int] | None:
+    """Decode Kineto-formatted blocks in ``workers`` processes; return the unconsumed tail, the
+    workers used and the bytes consumed.
 
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads' locks
+    None when a block did not decode or a worker could not run: the caller re-reads the file.
+    """
+    from collections import deque
+
+    from aiprof.trace.workers import WorkerLost, WorkerPool
+
     pending: deque = deque()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        while True:
-            while not r.eof and len(buf) < chunk_bytes:
-                buf += r.read(chunk_bytes)
-            cut = buf.rfind(_KINETO_SEP)
-            if cut < 0:
-                break  # only the last event and the document's tail are left
-            pending.append(pool.submit(_decode_block, buf[: cut + 4]))
-            buf = buf[cut + 5:]
-            while len(pending) > 2 * workers:  # bound memory: at most a few blocks in flight
+    consumed = 0
+    try:
+        with WorkerPool(workers) as pool:
+            while True:
+                while not r.eof and len(buf) < chunk_bytes:
+                    buf += r.read(chunk_bytes)
+                cut = buf.rfind(_KINETO_SEP)
+                if cut < 0:
+                    break  # only the last event and the document's tail are left
+                pending.append(pool.submit(memoryview(buf)[: cut + 4]))
+                buf = buf[cut + 5:]
+                consumed += cut + 5
+                while len(pending) > 2 * workers:  # bound memory: at most a few blocks in flight
+                    part = pending.popleft().result()
+                    if part is None:  # leave on an exception: the pool kills the busy workers
+                        raise WorkerLost("a block did not decode")
+                    b.merge(part)
+            while pending:
                 part = pending.popleft().result()
                 if part is None:
-                    pool.shutdown(cancel_futures=True)
-                    return None
+                    raise WorkerLost("a block did not decode")
                 b.merge(part)
-        for fut in pending:
-            part = fut.result()
-            if part is None:
-                return None
-            b.merge(part)
-    return buf
+    except WorkerLost:
+        return None
+    return buf, workers, consumed
 
 
-def _decode_bulk(b: Builder, buf: bytes, path: str, at_eof: bool) -> Optional[int]:
-    """Decode events up to the last good ``},`` cut; return bytes consumed, or None."""
+def _event_at(b: Builder, at: _At, exc: msgspec.ValidationError) -> TraceError:
+    """A decoded chunk's type error, named by the event's index in the whole trace."""
+    err = validation_error(exc)
+    err.index += b.n_events
+    return at.event_error(err)
+
+
+def _add(b: Builder, evs: list, at: _At) -> None:
+    try:
+        b.add(evs)
+    except EventError as err:
+        raise at.event_error(err) from None
+
+
+def _decode_bulk(b: Builder, buf: bytes, at: _At) -> Optional[int]:
+    """Decode events up to the last good ``},`` cut; return bytes consumed, or None.
+
+    A cut inside a string or a nested object leaves invalid JSON (DecodeError: try the next cut
+    to the left). A type error (ValidationError) is raised while decoding values that all lie
+    before the cut, so it is the file's own: it is reported at once.
+    """
     end = len(buf)
     for _ in range(_MAX_CUT_TRIES):
         cut = buf.rfind(b"},", 0, end)
@@ -280,16 +359,22 @@ def _decode_bulk(b: Builder, buf: bytes, path: str, at_eof: bool) -> Optional[in
             return None
         try:
             evs = EVENTS.decode(b"[" + buf[: cut + 1] + b"]")
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except msgspec.ValidationError as exc:  # (a subclass of DecodeError)
+            raise _event_at(b, at, exc) from None
+        except msgspec.DecodeError:
             end = cut
             continue
-        b.add(evs)
+        _add(b, evs, at)
         return cut + 2
     return None
 
 
-def _decode_last(b: Builder, buf: bytes, path: str) -> bytes:
-    """Decode the final events before ``]``; return the bytes after the array."""
+def _decode_last(b: Builder, buf: bytes, at: _At, bare: bool = False) -> bytes:
+    """Decode the final events before ``]``; return the bytes after the array.
+
+    ``bare``: the file is a Chrome JSON *array* trace, whose closing ``]`` may be missing (the
+    Trace Event Format allows it, for traces written by programs that may die mid-way).
+    """
     end = len(buf)
     tries = 0
     while True:
@@ -298,27 +383,50 @@ def _decode_last(b: Builder, buf: bytes, path: str) -> bytes:
             break
         try:
             evs = EVENTS.decode(b"[" + buf[:close + 1])
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except msgspec.ValidationError as exc:
+            raise _event_at(b, at, exc) from None
+        except msgspec.DecodeError:
             end = close
             tries += 1
             if tries > 64 and len(buf) > (1 << 20):
                 break
             continue
-        b.add(evs)
+        _add(b, evs, at)
         return buf[close + 1:]
-    if b.n_events:
-        raise TraceError(path, "truncated: the JSON ends inside \"traceEvents\"")
-    raise _syntax_error(path, buf)
+    if bare:
+        body = buf.rstrip()
+        body = body[:-1] if body.endswith(b",") else body
+        try:
+            evs = EVENTS.decode(b"[" + body + b"]")
+        except msgspec.ValidationError as exc:
+            raise _event_at(b, at, exc) from None
+        except msgspec.DecodeError:
+            pass
+        else:
+            _add(b, evs, at)
+            return b""
+    raise _syntax_error(buf, at, truncated=b.n_events > 0)
 
 
-def _syntax_error(path: str, buf: bytes) -> TraceError:
+_BYTE = re.compile(r"\(byte (\d+)\)")
+
+
+def _syntax_error(buf: bytes, at: _At, truncated: bool = False) -> TraceError:
+    """Why the events in ``buf`` do not decode, with the bad byte's offset in the file's JSON."""
     try:
         ANY.decode(b"[" + buf)
     except msgspec.DecodeError as exc:
-        return TraceError(path, f"not valid JSON inside \"traceEvents\" ({exc})")
-    except msgspec.ValidationError as exc:
-        return TraceError(path, f"unexpected event shape in \"traceEvents\" ({exc})")
-    return TraceError(path, "truncated: the JSON ends inside \"traceEvents\"")
+        msg = str(exc)
+        m = _BYTE.search(msg)
+        if m is not None:
+            n = int(m.group(1)) - 1 + at.offset  # the "[" we put in front is not the file's
+            if n >= at.offset + len(buf) - 1 and truncated:
+                return at.error("truncated: the JSON ends inside \"traceEvents\"")
+            msg = _BYTE.sub(f"(at byte {n:,} of the JSON)", msg)
+        elif truncated and "truncated" in msg:
+            return at.error("truncated: the JSON ends inside \"traceEvents\"")
+        return at.error(f"not valid JSON inside \"traceEvents\" ({msg})")
+    return at.error("truncated: the JSON ends inside \"traceEvents\"")
 
 
 def _decode_meta(path: str, header: bytes, tail: bytes) -> dict:
@@ -332,7 +440,8 @@ def _decode_meta(path: str, header: bytes, tail: bytes) -> dict:
     except msgspec.DecodeError as exc:
         if not tail.strip():
             raise TraceError(path, "truncated: the JSON ends after \"traceEvents\"") from None
-        raise TraceError(path, f"not valid JSON ({exc})") from None
+        # the offset msgspec gives is in this re-assembled document, not in the file: drop it
+        raise TraceError(path, f"not valid JSON around \"traceEvents\" ({_BYTE.sub('', str(exc)).strip()})") from None
     if not isinstance(meta, dict):
         raise TraceError(path, "not a Kineto trace (top level is not an object)")
     meta.pop("traceEvents", None)

@@ -33,11 +33,13 @@ import pyarrow.parquet as pq
 
 from aiprof import npx
 from aiprof.errors import TraceError
+from aiprof.trace.builder import empty_table
 from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
 
-STORE_VERSION = 3  # bump when ingest output changes: old stores are re-ingested
+STORE_VERSION = 4  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
+# durations; 4: the agent's meta.json beside the trace, for the unprofiled step time)
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
@@ -55,14 +57,14 @@ class RankTrace:
     _tables: dict[str, Table] = field(default_factory=dict, repr=False)
 
     def table(self, name: str) -> Table:
-        """The named table (empty when the trace has no such events)."""
+        """The named table (with its columns and no rows when the trace has no such events)."""
         t = self._tables.get(name)
         if t is None:
             path = os.path.join(self.store_dir, f"{name}.parquet") if self.store_dir else None
             if path and os.path.exists(path):
                 t = Table.from_arrow(pq.read_table(path))
             else:
-                t = Table()
+                t = empty_table(name)
             self._tables[name] = t
         return t
 
@@ -200,8 +202,42 @@ def _load_cached(store: str, fp: dict) -> Optional[dict]:
     return meta if meta.get("source") == fp else None
 
 
+_MAX_RANK = 1 << 24  # no job has 16 M ranks: a larger number is not a rank
+_DEVICE_INTS = ("id", "numSms", "totalGlobalMem", "computeMajor", "computeMinor")
+
+
+def _is_int(v: object, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _short(v: object) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:39] + "…"
+
+
+def _check_meta(path: str, raw: dict) -> None:
+    """Refuse top-level metadata of the wrong shape with one line naming the key."""
+    dist = raw.get("distributedInfo")
+    if dist is not None:
+        if not isinstance(dist, dict):
+            raise TraceError(path, f'"distributedInfo" is {_short(dist)}, not an object')
+        if dist.get("rank") is not None and not _is_int(dist["rank"], 0, _MAX_RANK):
+            raise TraceError(path, f'"distributedInfo.rank" is {_short(dist["rank"])}, not a rank number')
+        if dist.get("world_size") is not None and not _is_int(dist["world_size"], 1, _MAX_RANK):
+            raise TraceError(path, f'"distributedInfo.world_size" is {_short(dist["world_size"])}, not a number of ranks')
+    props = raw.get("deviceProperties")
+    if props is not None:
+        if not isinstance(props, list) or not all(isinstance(p, dict) for p in props):
+            raise TraceError(path, f'"deviceProperties" is {_short(props)}, not a list of objects')
+        for i, p in enumerate(props):
+            for k in _DEVICE_INTS:
+                if p.get(k) is not None and not _is_int(p[k], -(2**63), 2**63 - 1):
+                    raise TraceError(path, f'"deviceProperties[{i}].{k}" is {_short(p[k])}, not an integer')
+
+
 def _trace_meta(path: str, raw: dict, tables: dict[str, Table], index: int) -> dict:
     """Normalise the trace's top-level keys into aiprof's metadata."""
+    _check_meta(path, raw)
     dist = raw.get("distributedInfo") or {}
     rank = dist.get("rank")
     rank_from = "distributedInfo"
@@ -256,6 +292,7 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
     meta["source"] = fp
     meta["rows"] = {name: len(t) for name, t in parsed.tables.items()}
     meta["events"] = parsed.n_events
+    meta["ingest_workers"] = parsed.workers
     meta["ingest_s"] = round(time.perf_counter() - t0, 3)
     rt = RankTrace(rank=meta["rank"], source=path, meta=meta, _tables=dict(parsed.tables))
     try:
