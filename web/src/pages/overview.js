@@ -57,7 +57,7 @@ function causesPanel(d) {
       ${c.place && (c.place.site || c.place.name) ? `<div class="f-where">where: <code>${esc(short(c.place.site || c.place.name, 160))}</code>${c.place.steps && c.place.steps.length ? ` · steps ${c.place.steps.join(', ')}` : ''}</div>` : ''}
       <div class="f-why">why: ${esc(c.mechanism)}</div>
       <div class="f-sugg">fix: ${esc(c.remedy)}</div>
-      ${(c.symptoms || []).length ? `<ul class="f-symptoms">${c.symptoms.map((s) => `<li data-symptom="${esc(s.code)}">explains ${esc(s.title)}${s.rank != null ? ` (rank ${s.rank})` : ''}</li>`).join('')}</ul>` : ''}
+      ${(c.symptoms || []).length ? `<ul class="f-symptoms">${c.symptoms.map((s) => `<li data-symptom="${esc(s.code)}">explains ${us(s.explained_us / Math.max(1, (d.steps || []).length))} per step of: ${esc(s.title)}${s.rank != null ? ` (rank ${s.rank})` : ''}</li>`).join('')}</ul>` : ''}
     </div>`).join('')}
     ${orphans.length ? `<div class="orphans" id="orphans"><h3>Symptoms no cause explains</h3>${orphans.map((s) => `<div class="finding orphan" data-symptom="${esc(s.code)}">${esc(s.title)} — ${us(s.unexplained_us / Math.max(1, (d.steps || []).length))} per step unexplained: no detected mechanism accounts for it; see the hotspots and the step diff.</div>`).join('')}</div>` : ''}
   </div>`);

@@ -91,8 +91,8 @@ def detect(f: RankFacts) -> list[Cause]:
         title = (f"{what} the training thread waits for its input in {fn}" + (f" ({sleeps[0]})" if sleeps else "")
                  + f": {ms(float(worst[1]))} in step {int(worst[0])}, against {ms(med)} in a typical step")
     else:
-        title = (f"the training thread loads its input in {fn}: {waiter} {ms(idle / per)} per step "
-                 f"({ms(work)} of loading per step)")
+        title = (f"the training thread loads its input in {fn}: {ms(float(per_step.mean()) if len(per_step) else 0.0)} "
+                 f"per step, {waiter} {ms(idle / per)} per step")
     return [Cause(
         code=CODE, rank=f.rank, title=title,
         mechanism=("Input is produced on the thread that drives the GPU, between steps; the GPU has nothing "

@@ -20,6 +20,7 @@ from aiprof.diagnosis.causes.common import ms
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import (
     EXPOSED_COMM,
+    GPU_IDLE,
     MIN_REPORTED_SHARE,
     WAITING_RANK,
     Cause,
@@ -124,9 +125,14 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
         claims = [Claim(WAITING_RANK, w.rank, w.us) for w in waits]
         for w in waits:
             fw = by_rank[w.rank]
-            comm = float(sum(b.communication_us for b in fw.breakdown))
+            comm = min(float(sum(b.communication_us for b in fw.breakdown)), w.us)
             if comm > 0:
-                claims.append(Claim(EXPOSED_COMM, w.rank, min(comm, w.us)))
+                claims.append(Claim(EXPOSED_COMM, w.rank, comm))
+            # the rest of the wait is GPU idle (a host-side collective, or a rank whose host
+            # blocks on the collective's result)
+            idle = min(float(sum(b.idle_us for b in fw.breakdown)), w.us - comm)
+            if idle > 0:
+                claims.append(Claim(GPU_IDLE, w.rank, idle))
         own = sorted((c for c in found if c.rank == s and c.saving.get("share", 0.0) >= MIN_REPORTED_SHARE),
                      key=lambda c: -c.saving.get("per_step_us", 0.0))
         info = {"rank": s, "waiting_ranks": ev.get("waiting_ranks", []), "last_arrivals": ev.get("last_arrivals"),
