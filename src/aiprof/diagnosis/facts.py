@@ -81,19 +81,26 @@ class RankFacts:
         return memo[key]
 
     def under(self, roots: np.ndarray) -> np.ndarray:
-        """Nodes that are, or descend from, a node in the mask ``roots``."""
+        """Nodes that are, or descend from, a node in the mask ``roots`` (one vectorised pass
+        per tree depth: a node's parent is always one level up)."""
         hit = roots.copy()
         if not len(hit) or not hit.any():
             return hit
-        cur = self.tree.parent.copy()
-        active = (cur >= 0) & ~hit
-        while active.any():
-            idx = np.nonzero(active)[0]
-            hit[idx] |= roots[cur[idx]] | hit[cur[idx]]
-            nxt = self.tree.parent[cur[idx]]
-            cur[idx] = nxt
-            active[idx] = (nxt >= 0) & ~hit[idx]
+        for idx in self._by_depth():
+            p = self.tree.parent[idx]
+            hit[idx] |= hit[p]
         return hit
+
+    def _by_depth(self) -> list[np.ndarray]:
+        """Node indices of each depth >= 1, shallowest first (cached)."""
+        if "_by_depth" not in self.extra:
+            d = self.tree.depth
+            order = np.argsort(d, kind="stable")
+            ds = d[order]
+            cuts = np.searchsorted(ds, np.arange(1, int(ds.max()) + 2)) if len(ds) else np.zeros(0, np.int64)
+            self.extra["_by_depth"] = [order[cuts[k]:cuts[k + 1]] for k in range(len(cuts) - 1)
+                                       if cuts[k + 1] > cuts[k]]
+        return self.extra["_by_depth"]
 
     def action_nodes(self) -> np.ndarray:
         """Tree node of each replay action (-1 for markers and calls outside the tree)."""
