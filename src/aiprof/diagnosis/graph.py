@@ -291,9 +291,14 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
             before = np.nonzero((o_action[:j] < i) & (o_stream[:j] != o_stream[j]))[0]
             deps = []
             for s in np.unique(o_stream[before]):
-                last = before[o_stream[before] == s][-1]
-                if o_ts[j] + SYNC_CLOCK_TOL_NS >= o_end[last]:
-                    deps.append(int(last))
+                # the event was recorded after some op of that stream: the latest one issued
+                # before the wait that had ended when this op started (an event recorded after
+                # an earlier op, with later work already queued behind it, is the common case:
+                # DDP copies bucket 1 back while bucket 2's all-reduce runs)
+                on_s = before[o_stream[before] == s]
+                done = on_s[o_end[on_s] <= o_ts[j] + SYNC_CLOCK_TOL_NS]
+                if len(done):
+                    deps.append(int(done[-1]))
             if deps:
                 have = o_deps.setdefault(int(j), [])
                 have.extend(d for d in deps if d not in have)
