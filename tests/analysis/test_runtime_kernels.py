@@ -144,7 +144,7 @@ def test_precision_of_every_kernel_on_real_traces(gpt2, ddp4_dir):
     # the matmul precision no longer has an "unknown" share (nvjet names used to be unknown)
     assert "unknown" not in ka.precision_us and ka.precision_us["bf16"] == pytest.approx(ka.matmul_us)
     # a capture without op dtypes (record_shapes off for these ops): names alone still say
-    for path in sorted(ddp4_dir.iterdir()):
+    for path in sorted(ddp4_dir.glob("*.json.gz")):
         rt = open_capture(str(path)).ranks[0]
         kp = kernel_analysis(rt).kernel_precision_us
         assert kp.get("unknown", 0.0) <= 0.05 * sum(kp.values()), (path.name, kp)

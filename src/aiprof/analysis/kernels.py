@@ -57,6 +57,18 @@ def kernel_stats(rt: RankTrace, top: int | None = None) -> list[KernelStat]:
     return out
 
 
+def top_with_other(stats: list[KernelStat], k: int, by: str = "total_us") -> dict:
+    """The ``k`` kernels with the most ``by`` (``total_us`` or ``calls``) and one bucket for all
+    the others: ``{"by", "top": [KernelStat...], "other": {"kernels", "calls", "total_us"}}``, so a
+    top-k chart still adds up to every kernel of the rank."""
+    if by not in ("total_us", "calls"):
+        raise ValueError(f"by must be total_us or calls, not {by!r}")
+    order = sorted(stats, key=lambda s: (-getattr(s, by), -s.total_us, s.name))
+    top, rest = order[:max(k, 0)], order[max(k, 0):]
+    return {"by": by, "top": top, "other": {"kernels": len(rest), "calls": int(sum(s.calls for s in rest)),
+                                           "total_us": float(sum(s.total_us for s in rest))}}
+
+
 # ---------------------------------------------------------------- families, tensor cores, precision
 # A kernel name is a matmul/conv (tensor-core candidate) when it contains one of these.
 _MATMUL_WORDS = ("gemm", "gemv", "matmul", "cutlass", "cublas", "nvjet", "wgmma", "xmma", "hmma",

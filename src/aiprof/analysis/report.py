@@ -16,12 +16,13 @@ from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
 from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
-from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
+from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats, top_with_other
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.ranks import CrossRank, cross_rank
 from aiprof.analysis.runtime import runtime_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
+from aiprof.analysis.timeseries import gpu_activity, memop_distribution
 from aiprof.trace import classify
 from aiprof.trace.store import Capture, RankTrace
 
@@ -50,6 +51,11 @@ class RankReport:
     memory: dict = field(default_factory=dict)  # analysis.memory.MemoryAnalysis
     flops: dict = field(default_factory=dict)  # analysis.flops.FlopsAnalysis
     step_diff: dict | None = None  # analysis.diff.StepDiff: median step vs slowest step
+    # the dashboard's whole-trace panels (analysis.kernels / analysis.timeseries)
+    kernels_by_calls: dict = field(default_factory=dict)  # top kernels by launches + "other"
+    kernels_by_time: dict = field(default_factory=dict)  # top kernels by time + "other"
+    activity: dict = field(default_factory=dict)  # GPU time and count of kernels, memcpy, memset
+    memops: list = field(default_factory=list)  # per memcpy/memset name: count, bytes, time
 
 
 def _device(rt: RankTrace) -> dict:
@@ -153,20 +159,29 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
     fa = flops_analysis(rt, steps, precision)
     ma = memory_from_trace(rt, _step_of(steps), top=10)
     sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
+    stats = kernel_stats(rt)
     rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
         step_source=steps.source,
         window={"start_ns": lo, "end_ns": hi, "duration_us": (hi - lo) / 1000.0},
-        steps=breakdown, summary=summarize(breakdown), top_kernels=kernel_stats(rt, top),
+        steps=breakdown, summary=summarize(breakdown), top_kernels=stats[:top],
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
         kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
         memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
+        kernels_by_calls=_top_dict(top_with_other(stats, top, "calls")),
+        kernels_by_time=_top_dict(top_with_other(stats, top, "total_us")),
+        activity=gpu_activity(rt), memops=memop_distribution(rt),
     )
     facts = rules.RankFacts(
         rank=rt.rank, steps=breakdown, gaps=gaps, tree=tree, step_numbers=steps.number,
         host_idle_by_class=classes, diff=sd, runtime=ra, kernels=ka, comm=ca, pageable=_pageable(rt), has_gpu=gpu,
         extra={"host_idle_items": _host_idle_items(tree, gaps)})
     return rep, facts
+
+
+def _top_dict(t: dict) -> dict:
+    return {"by": t["by"], "top": [asdict(x) for x in t["top"]], "other": t["other"], "distinct": len(t["top"])
+            + t["other"]["kernels"]}
 
 
 def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankReport:
