@@ -4,9 +4,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiprof.analysis.kernels import (PRECISION_FROM_NAME, PRECISION_FROM_OP, is_matmul_kernel, is_tensor_core_kernel,
-                                     kernel_analysis, kernel_family, kernel_precision, kernel_precisions, name_precision,
-                                     op_input_precision)
+from aiprof.analysis.kernels import (
+    PRECISION_FROM_NAME,
+    PRECISION_FROM_OP,
+    is_matmul_kernel,
+    is_tensor_core_kernel,
+    kernel_analysis,
+    kernel_family,
+    kernel_precision,
+    kernel_precisions,
+    name_precision,
+    op_input_precision,
+)
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.runtime import launch_delay, runtime_analysis
 from aiprof.trace.store import open_capture
@@ -103,16 +112,16 @@ def test_cpu_trace_kernels_empty(tmp_path):
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "fp32"),
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "bf16"),
     # the first element type named is the data type; float here is the math type
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, "
-     "c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, float)", "bf16"),
+    (("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, "
+      "c10::BFloat16, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, float)"), "bf16"),
     # FusedAdam names double (its lr) after float (its parameters)
-    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
-     "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
-     "(at::native::ADAM_MODE)1, false>, double*, double, double>(double)", "fp32"),
+    (("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+      "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+      "(at::native::ADAM_MODE)1, false>, double*, double, double>(double)"), "fp32"),
     # types in the parameter list are not the kernel's data type; integer types are not used
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, std::array<char*, 1ul> >(int, float)", ""),
-    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
-     "unsigned int, 4, 64, 64>(float)", ""),
+    (("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+      "unsigned int, 4, 64, 64>(float)"), ""),
 ])
 def test_name_precision(name, prec):
     assert name_precision(name) == prec

@@ -16,7 +16,12 @@ from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
 from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
-from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats, top_with_other
+from aiprof.analysis.kernels import (
+    KernelStat,
+    kernel_analysis,
+    kernel_stats,
+    top_with_other,
+)
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.ranks import CrossRank, cross_rank
