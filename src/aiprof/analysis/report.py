@@ -57,8 +57,8 @@ class RankReport:
     flops: dict = field(default_factory=dict)  # analysis.flops.FlopsAnalysis
     step_diff: dict | None = None  # analysis.diff.StepDiff: median step vs slowest step
     # the dashboard's whole-trace panels (analysis.kernels / analysis.timeseries)
+    kernels_other: dict = field(default_factory=dict)  # the kernels after top_kernels: count, calls, time
     kernels_by_calls: dict = field(default_factory=dict)  # top kernels by launches + "other"
-    kernels_by_time: dict = field(default_factory=dict)  # top kernels by time + "other"
     activity: dict = field(default_factory=dict)  # GPU time and count of kernels, memcpy, memset
     memops: list = field(default_factory=list)  # per memcpy/memset name: count, bytes, time
 
@@ -173,8 +173,8 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
         kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
         memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
-        kernels_by_calls=_top_dict(top_with_other(stats, top, "calls")),
-        kernels_by_time=_top_dict(top_with_other(stats, top, "total_us")),
+        kernels_other={**top_with_other(stats, top, "total_us")["other"], "distinct": len(stats)},
+        kernels_by_calls=_by_calls(top_with_other(stats, top, "calls")),
         activity=gpu_activity(rt), memops=memop_distribution(rt),
     )
     facts = rules.RankFacts(
@@ -184,9 +184,10 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
     return rep, facts
 
 
-def _top_dict(t: dict) -> dict:
-    return {"by": t["by"], "top": [asdict(x) for x in t["top"]], "other": t["other"], "distinct": len(t["top"])
-            + t["other"]["kernels"]}
+def _by_calls(t: dict) -> dict:
+    """The top kernels by launches, slim (the full statistics of the top by time are in top_kernels)."""
+    return {"top": [{"name": x.name, "cls": x.cls, "calls": x.calls, "total_us": x.total_us} for x in t["top"]],
+            "other": t["other"]}
 
 
 def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankReport:
