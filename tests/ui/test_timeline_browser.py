@@ -108,9 +108,8 @@ def test_two_ranks_on_the_aligned_clock_with_collectives_linked(page, ddp_app):
     assert f"{wait_ns / 1e6:.2f} ms" in text or f"{wait_ns / 1e3:.1f} µs" in text
     # the links are drawn for the collectives in view, the same ones the API lists
     page.wait_for_function(f"() => {TL}.S.coll.length > 0")
-    ids = page.evaluate(f"() => {TL}.S.coll.map(c => c.id)")
-    t0, t1 = _view(page)
-    api = _get(ddp_app, f"timeline/collectives?t0={int(t0)}&t1={int(t1) + 1}&limit=400")
+    ids, win = page.evaluate(f"() => [{TL}.S.coll.map(c => c.id), {TL}.S.win]")
+    api = _get(ddp_app, f"timeline/collectives?t0={win['t0']}&t1={win['t1']}&limit=400")
     assert j in ids and set(ids) <= {c["id"] for c in api["collectives"]}
 
 

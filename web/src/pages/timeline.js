@@ -362,6 +362,7 @@ export default async function timeline(root, { rank, meta, params }) {
           S.counters.set(rk, res[2 * i + 1].counters);
         });
         S.coll = res[res.length - 1].collectives.filter((c) => c.ranks.some((q) => LL.has(q.rank)));
+        S.win = { t0, t1 }; // the range the data on screen was fetched for
         S.fetches++;
         S.lastFetchMs = performance.now() - t;
         S.fresh = { seq: S.fetches, input: inputT, fetched: performance.now(), t0, t1, events: n };
