@@ -354,22 +354,31 @@ class CaptureData:
             hi = np.nanmax(m.end, axis=0) - o
         cols = np.nonzero((hi > t0) & (lo < t1))[0]
         cols = cols[np.argsort(lo[cols], kind="stable")]
+        events = self._once("matched_events", lambda: self._collective_events(m))
         out = []
         for j in cols[:limit].tolist():
             parts = []
             for i, r in enumerate(m.ranks):
                 if m.local_start[i, j] < 0:
                     continue
-                rt = self.rank(r)
-                ev = timeline.find_at(self.index(rt), "host" if m.side.get(r) == "cpu" else "gpu",
-                                      int(m.local_start[i, j]), int(m.local_end[i, j]))
                 sh = self.shift(r)
+                ev = events[i][j]
                 parts.append({"rank": r, "start": int(m.local_start[i, j]) + sh, "end": int(m.local_end[i, j]) + sh,
-                              "event": self._ui_ref(ev, sh)})
+                              "event": self._ui_ref(dict(ev), sh) if ev else None})
             out.append({"id": j, "pg": m.pg[j], "sig": m.sig[j], "step": int(m.step[j]),
                         "last_rank": m.ranks[int(m.last[j])], "caused_us": float(m.caused_ns[j]) / 1000.0,
                         "ranks": parts})
         return {"collectives": out, "total": len(cols), "truncated": len(cols) > limit}
+
+    def _collective_events(self, m: MatchedCollectives) -> list[list[dict | None]]:
+        """Per rank and matched collective, its event on the timeline (own clock), found once."""
+        out = []
+        for i, r in enumerate(m.ranks):
+            tl = self.index(self.rank(r))
+            group = "host" if m.side.get(r) == "cpu" else "gpu"
+            out.append([timeline.find_at(tl, group, int(m.local_start[i, j]), int(m.local_end[i, j]))
+                        if m.local_start[i, j] >= 0 else None for j in range(m.start.shape[1])])
+        return out
 
     def _collective_of(self, r: int, ref: dict) -> dict | None:
         """The matched collective whose event on rank ``r`` is ``ref`` (UI times), if any."""
