@@ -47,6 +47,7 @@ def test_progress_bar_on_a_terminal_goes_to_stderr(gpt2_stall, tmp_path):
     import pty
     import select
     import shutil
+    import threading
 
     p = tmp_path / "t.json.gz"
     shutil.copy(gpt2_stall, p)
@@ -54,6 +55,10 @@ def test_progress_bar_on_a_terminal_goes_to_stderr(gpt2_stall, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "aiprof", "analyze", str(p), "--json"], stdout=subprocess.PIPE,
                             stderr=slave, stdin=slave, env={**os.environ, "AIPROF_PROGRESS": "always"})
     os.close(slave)
+    # stdout is read while the child runs: a report larger than the pipe buffer would block it
+    out_chunks: list[bytes] = []
+    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
     err = b""
     while True:
         ready, _, _ = select.select([master], [], [], 1.0)
@@ -67,7 +72,8 @@ def test_progress_bar_on_a_terminal_goes_to_stderr(gpt2_stall, tmp_path):
             err += chunk
         elif proc.poll() is not None:
             break
-    out = proc.stdout.read()
     assert proc.wait(timeout=120) == 0
+    reader.join(60)
+    out = b"".join(out_chunks)
     assert b"ingest" in err and b"MB" in err
     assert json.loads(out)["schema"] == "aiprof.report/2"

@@ -25,6 +25,10 @@ def test_bad_requests_are_4xx(client):
     assert client.get("/api/kernels?rank=0&limit=abc").status_code == 400
     assert client.get("/api/timeline/event?rank=0&source=bogus&row=0").status_code == 400
     assert client.get("/api/timeline/event?rank=0&source=kernels&row=99999999").status_code == 404
+    assert client.get("/api/timeline/next?rank=0&source=bogus&row=0").status_code == 400
+    assert client.get("/api/timeline/flows?rank=0&t0=5&t1=5").status_code == 400
+    assert client.get("/api/timeline/flows?rank=0&t0=0&t1=5&limit=0").status_code == 400
+    assert client.get("/api/timeline/collectives?t0=9&t1=1").status_code == 400
     assert client.get("/api/nothing").status_code == 404
 
 
@@ -32,10 +36,17 @@ def test_overview_numbers_are_the_reports(client, gpt2_app):
     rr = gpt2_app.report["ranks"][0]
     ov = client.get("/api/overview?rank=0&k=5").json()
     assert ov["summary"]["step_median_us"] == pytest.approx(rr["summary"]["step_median_us"])
-    assert [k["name"] for k in ov["kernels"]["top"]] == [k["name"] for k in rr["top_kernels"][:5]]
+    assert [k["name"] for k in ov["kernels"]["by_time"]["top"]] == [k["name"] for k in rr["top_kernels"][:5]]
+    # top 5 by launches is its own list (not the top by time), and "other" holds the rest
+    by_calls = ov["kernels"]["by_calls"]
+    assert [k["name"] for k in by_calls["top"]] == [k["name"] for k in rr["kernels_by_calls"]["top"][:5]]
+    assert [k["calls"] for k in by_calls["top"]] == sorted((k["calls"] for k in by_calls["top"]), reverse=True)
+    assert sum(k["calls"] for k in by_calls["top"]) + by_calls["other"]["calls"] == rr["rows"]["kernels"]
+    assert by_calls["top"][0]["calls"] >= max(k["calls"] for k in rr["top_kernels"])
     assert ov["kernels"]["launches"] == rr["rows"]["kernels"]
     assert sum(ov["step_hist"]["counts"]) == len(rr["steps"]) == 5
-    assert ov["precision_us"] == rr["kernels"]["precision_us"]
+    assert ov["precision_us"] == rr["kernels"]["kernel_precision_us"]
+    assert ov["activity"] == rr["activity"] and set(ov["activity"]) == {"kernels", "memcpy", "memset"}
     assert ov["hw"]["file"] is None  # the fixture has no hw.csv: the UI must say so, not invent it
 
 
@@ -100,3 +111,70 @@ def test_overview_shows_the_stragglers_cause_on_the_waiting_rank(ddp_app):
     waits = [s for s in d["symptoms"] if s["code"] == "WAITING_RANK"]
     assert waits and waits[0]["rank"] == 0
     assert d["baseline"]["rank"] == 0 and d["baseline"]["replayed_step_us"] > 0
+
+
+def test_flows_are_the_launch_links(client, gpt2_app):
+    """Every launch -> GPU arrow of a range joins a kernel/copy to the runtime call with its
+    correlation id; all GPU work overlapping the range whose launch is traced has one."""
+    rt = gpt2_app.data.rank(0)
+    k, r = rt.kernels, rt.runtime
+    sh = gpt2_app.data.shift(0)
+    lanes = client.get("/api/timeline/lanes?rank=0").json()
+    t0 = lanes["start"] + 60_000_000
+    f = client.get(f"/api/timeline/flows?rank=0&t0={t0}&t1={t0 + 2_000_000}&limit=5000").json()
+    assert not f["truncated"] and f["total"] == len(f["to_start"]) > 0
+    corr = {int(c): i for i, c in enumerate(r["corr"])}
+    ks = k["ts"] + sh
+    inside = np.nonzero((ks + k["dur"] > t0) & (ks < t0 + 2_000_000) & np.isin(k["corr"], r["corr"]))[0]
+    kernel_arrows = [(s, e) for s, e in zip(f["to_start"], f["to_end"])
+                     if any(ks[i] == s for i in inside)]
+    assert len(kernel_arrows) == len(inside)
+    for i in inside[:50]:
+        j = f["to_start"].index(int(ks[i]))
+        lr = corr[int(k["corr"][i])]
+        assert f["from_start"][j] == int(r["ts"][lr]) + sh and f["from_end"][j] == int(r["ts"][lr] + r["dur"][lr]) + sh
+    small = client.get(f"/api/timeline/flows?rank=0&t0={t0}&t1={t0 + 2_000_000}&limit=3").json()
+    assert small["truncated"] and len(small["to_start"]) == 3 and small["total"] == f["total"]
+
+
+def test_next_occurrence(client, gpt2_app):
+    rt = gpt2_app.data.rank(0)
+    k = rt.kernels
+    names = k.strings("name")
+    code = names.codes[int(np.argmax(k["dur"]))]
+    rows = np.nonzero(names.codes == code)[0]
+    rows = rows[np.argsort(k["ts"][rows], kind="stable")]
+    nxt = client.get(f"/api/timeline/next?rank=0&source=kernels&row={rows[0]}&dir=1").json()["event"]
+    assert nxt["row"] == rows[1] and nxt["source"] == "kernels"
+    prv = client.get(f"/api/timeline/next?rank=0&source=kernels&row={rows[1]}&dir=-1").json()["event"]
+    assert prv["row"] == rows[0]
+    assert client.get(f"/api/timeline/next?rank=0&source=kernels&row={rows[-1]}&dir=1").json()["event"] is None
+    # steps: the next step
+    s = client.get("/api/timeline/next?rank=0&source=steps&row=0&dir=1").json()["event"]
+    assert s["source"] == "steps" and s["row"] == 1
+
+
+def test_collectives_across_ranks(ddp_app):
+    """The matched collectives of the DDP fixture: one event per rank, the last arrival and the
+    wait it caused as the cross-rank analysis counts them."""
+    import json
+    import urllib.request
+
+    rep = ddp_app.report
+    with urllib.request.urlopen(ddp_app.url + "api/timeline/collectives?t0=0&t1=1e13&limit=2000") as r:
+        c = json.load(r)
+    arr = rep["cross_rank"]["arrivals"]
+    assert c["total"] == len(c["collectives"]) == arr["collectives"]
+    last = {}
+    for x in c["collectives"]:
+        assert {p["rank"] for p in x["ranks"]} == {0, 1}
+        for p in x["ranks"]:
+            ev = p["event"]
+            assert ev["source"] == "kernels" and ev["name"].startswith("ncclDevKernel")
+            assert (ev["start"], ev["end"]) == (p["start"], p["end"])
+        starts = {p["rank"]: p["start"] for p in x["ranks"]}
+        assert x["last_rank"] == max(starts, key=starts.get)
+        assert x["caused_us"] == pytest.approx(abs(starts[0] - starts[1]) / 1000, abs=1e-3)
+        last[x["last_rank"]] = last.get(x["last_rank"], 0) + 1
+    assert {str(k): v for k, v in last.items()} == {k: v for k, v in arr["last_count"].items() if v}
+    assert sum(x["caused_us"] for x in c["collectives"]) == pytest.approx(sum(arr["caused_wait_us"].values()), rel=1e-6)

@@ -72,22 +72,31 @@ def test_cpu_panels_show_the_hw_table(page, hw_app):
     proc = _weighted_mean(h["ts"][psel], h["value"][psel], w["start_ns"], w["end_ns"])
     assert page.inner_text("#cpu-proc") == f"{proc:.1f} %"
     assert expect > 20  # a training loop keeps the CPU busy
-    # CPU utilisation over time: every sample, at its time after the window start
-    series = {s["name"]: s["data"] for s in _option(page, "cpu")["series"]}
-    cpu = series[next(n for n in series if n.endswith("cpu_util_pct"))]
+    # CPU utilisation over time: every sample, at its time after the window start; the host's
+    # share of all CPUs on the left axis, the process's share of one CPU on the right one
+    opt = _option(page, "cpu")
+    assert [a["name"] for a in opt["yAxis"]] == ["% of all CPUs", "% of one CPU"]
+    by_axis = {s["yAxisIndex"]: s for s in opt["series"]}
+    cpu, prc = by_axis[0]["data"], by_axis[1]["data"]
+    assert "% of all CPUs" in by_axis[0]["name"] and "% of one CPU" in by_axis[1]["name"]
     assert [p[1] for p in cpu] == pytest.approx(val.tolist())
     assert [p[0] for p in cpu] == pytest.approx(((ts - w["start_ns"]) / 1e6).tolist())
+    assert [p[1] for p in prc] == pytest.approx(h["value"][psel].tolist())
+    assert max(p[1] for p in prc) > 100 or opt["yAxis"][1].get("max") is None  # not capped at 100 %
+    # no FLOPs in this capture (no record_shapes): MFU says so instead of 0 %
+    assert hw_app.report["ranks"][0]["flops"]["mfu_pct"] is None
+    assert page.inner_text("#kpi-mfu") == "n/a" and "capture with --what flops" in page.inner_text("#kpi-mfu-note")
     assert "No GPU samples" in page.inner_text("#p-gpu-util")  # CPU machine: no NVML, and the page says so
     # Timeline: the hardware counter tracks hold the samples (at full view every sample is a column)
     open_page(page, hw_app.url, "timeline")
     assert page.locator("#tl-nohw").count() == 0
-    c = page.evaluate("() => window.__aiprof.timeline.S.counters['hw:host:cpu_util_pct']")
-    o = hw_app.data.origin()
-    t0, t1 = page.evaluate("() => [window.__aiprof.timeline.S.data.t0, window.__aiprof.timeline.S.data.t1]")
+    c = page.evaluate("() => window.__aiprof.timeline.counters(0)['hw:host:cpu_util_pct']")
+    o = -hw_app.data.shift(0)
+    t0, t1 = page.evaluate("() => [window.__aiprof.timeline.data(0).t0, window.__aiprof.timeline.data(0).t1]")
     inside = (ts >= t0 + o) & (ts < t1 + o)
     assert c["value"] == pytest.approx(val[inside].tolist())
     assert c["ts"] == [int(t) - o for t in ts[inside]]
-    names = page.evaluate("() => window.__aiprof.timeline.L.counters.map(c => c.name)")
+    names = page.evaluate("() => window.__aiprof.timeline.L(0).counters.map(c => c.name)")
     assert {"host cpu_util_pct", "host proc_cpu_pct", "host mem_used_bytes", "host proc_rss_bytes"} <= set(names)
 
 
@@ -103,17 +112,17 @@ def test_gpu_annotation_rows_on_the_timeline(page, ddp_app):
     a = rt.annotations
     gpu_rows = np.nonzero(a["gpu"])[0]
     open_page(page, ddp_app.url, "timeline")
-    lanes = page.evaluate("() => window.__aiprof.timeline.L.lanes")
+    lanes = page.evaluate("() => window.__aiprof.timeline.L(0).lanes")
     ann = [ln for ln in lanes if ln["kind"] == "annotations"]
     assert sum(ln["events"] for ln in ann) == len(gpu_rows)  # every GPU-side annotation has a row
     assert {ln["track"] for ln in ann} == {"GPU 0 stream 7 annotations", "GPU 0 stream 17 annotations"}
-    drawn = page.evaluate("""() => { const S = window.__aiprof.timeline.S, ids = new Set(%s);
-        return S.data.lanes.filter(e => ids.has(e.id)).flatMap(e => e.events.name.map(c => S.data.names[c])); }"""
+    drawn = page.evaluate("""() => { const d = window.__aiprof.timeline.data(0), ids = new Set(%s);
+        return d.lanes.filter(e => ids.has(e.id)).flatMap(e => e.events.name.map(c => d.names[c])); }"""
                           % [ln["id"] for ln in ann])
     assert "nccl:all_reduce" in drawn
     # selecting one: its fields, no host stack (it runs on the GPU)
     r = int(gpu_rows[np.asarray(a["name"])[gpu_rows] == "nccl:all_reduce"][0])
-    d = page.evaluate(f"() => window.__aiprof.timeline.select('annotations', {r})")
+    d = page.evaluate(f"() => window.__aiprof.timeline.select(0, 'annotations', {r})")
     assert d["ref"]["name"] == "nccl:all_reduce" and d["args"]["gpu"] is True and "stack" not in d
     assert page.inner_text("#tl-sel-name") == "nccl:all_reduce"
 
@@ -147,7 +156,6 @@ def test_gpu_sync_rows_in_the_index(gpt2_stall):
     d = timeline.event_detail(rt, tl, "gpu_sync", 0)
     assert d["ref"]["name"] == "Stream Sync" and d["ref"]["source"] == "gpu_sync"
     assert d.get("launch")  # same correlation id as the kernel's launch call
-    assert timeseries.gpu_activity(rt)["sync"]["count"] == 2
 
 
 DDP4_HW = Path(os.environ.get("AIPROF_TEST_DDP4_HW") or ROOT / "tests" / "data" / "ddp4_hw")
@@ -190,7 +198,9 @@ def test_multi_gpu_hw_samples_in_the_browser(page, ddp4_hw_app):
             expected += 1
             got = series[f"{host} rank {rt.rank} {dev} (NVML)"]
             assert [p[1] for p in got] == pytest.approx(v.tolist())
-            assert [p[0] for p in got] == pytest.approx(((ts - w0["start_ns"]) / 1e6).tolist())
+            # on the aligned clock: each rank's clock offset relative to rank 0
+            off = app.data.offset_ns(rt.rank) - app.data.offset_ns(0)
+            assert [p[0] for p in got] == pytest.approx(((ts + off - w0["start_ns"]) / 1e6).tolist())
     assert len(nvml) == expected >= 4  # every rank sampled its own GPU
     # CPU: the pie and the series of rank 0's host samples
     cpu = _series(ranks[0], "cpu_util_pct")
@@ -198,20 +208,49 @@ def test_multi_gpu_hw_samples_in_the_browser(page, ddp4_hw_app):
         ts, v = next(iter(cpu.values()))
         pie = {d["name"]: d["value"] for d in _option(page, "cpu-active")["series"][0]["data"]}
         assert pie["active"] == pytest.approx(_weighted_mean(ts, v, w0["start_ns"], w0["end_ns"]))
-        got = {s["name"]: s["data"] for s in _option(page, "cpu")["series"]}
-        line = got[next(n for n in got if n.endswith("cpu_util_pct"))]
+        line = next(s["data"] for s in _option(page, "cpu")["series"] if s["yAxisIndex"] == 0)
         assert [p[1] for p in line] == pytest.approx(v.tolist())
     # Timeline of rank 1: a counter track per hw metric, holding the samples (mean per column)
     rt = ranks[1]
     open_page(page, app.url, "timeline?rank=1")
-    ids = page.evaluate("() => window.__aiprof.timeline.L.counters.map(c => c.id)")
+    page.evaluate("() => window.__aiprof.timeline.toggle('r1:c', true)")  # counters of one of 4 ranks: closed at first
+    page.wait_for_function("() => Object.keys(window.__aiprof.timeline.counters(1)).length > 0")
+    ids = page.evaluate("() => window.__aiprof.timeline.L(1).counters.map(c => c.id)")
     gpu_metrics = {(d, m) for (d, m) in timeseries.load_hw(rt).series if d.startswith("gpu")}
     assert {f"hw:{d}:{m}" for d, m in gpu_metrics} <= set(ids)
-    view = page.evaluate("() => { const d = window.__aiprof.timeline.S.data; return [d.t0, d.t1, d.px]; }")
-    o = app.data.origin()
+    view = page.evaluate("() => { const d = window.__aiprof.timeline.data(1); return [d.t0, d.t1, d.px]; }")
+    o = -app.data.shift(1)
     for d, m in sorted(gpu_metrics)[:6]:
         ts, v = timeseries.load_hw(rt).series[(d, m)]
-        c = page.evaluate(f"() => window.__aiprof.timeline.S.counters['hw:{d}:{m}']")
+        c = page.evaluate(f"() => window.__aiprof.timeline.counters(1)['hw:{d}:{m}']")
         inside = (ts >= view[0] + o) & (ts < view[1] + o)
         if inside.sum() <= view[2]:  # fewer samples than pixel columns: every sample as it is
             assert c["value"] == pytest.approx(v[inside].tolist()) and c["ts"] == (ts[inside] - o).tolist()
+
+
+def test_memory_page_shows_nvml_memory(page, ddp4_hw_app):
+    """The 4-GPU capture has no profile_memory events but NVML samples: the Memory page draws
+    the GPU's used memory (and the host's) and names its peak, from the store's hw table."""
+    app = ddp4_hw_app
+    rt = app.data.capture.ranks[2]
+    w = app.report["ranks"][2]["window"]
+    open_page(page, app.url, "memory?rank=2")
+    assert page.locator("#no-memory").count() == 1  # no allocator events in this trace...
+    series = {s["name"]: s["data"] for s in _option(page, "memory-hw")["series"]}
+    for dev, (ts, v) in _series(rt, "mem_used_bytes").items():
+        inside = (ts >= w["start_ns"]) & (ts <= w["end_ns"])
+        assert inside.sum() > 5
+        got = series[f"{dev} used (NVML)" if dev.startswith("gpu") else f"{dev} used"]
+        assert [p[1] for p in got] == pytest.approx(v[inside].tolist())  # fewer samples than columns: all of them
+        peak = page.inner_text(f"#nvml-kpis b[data-series='{dev} used']")
+        assert peak == _bytes(float(v[inside].max()))
+    assert any(n.startswith("gpu") for n in series) and "host process RSS" in series
+
+
+def _bytes(v: float) -> str:
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    i, x = 0, abs(v)
+    while x >= 1024 and i < len(units) - 1:
+        x /= 1024
+        i += 1
+    return f"{x:.{2 if i else 0}f} {units[i]}"

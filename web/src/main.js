@@ -1,23 +1,23 @@
 import './style.css';
 import { api, STATIC } from './api.js';
 import { disposeAll } from './charts.js';
-import { esc } from './fmt.js';
+import { esc, kernelName, elide, kernelLabels } from './fmt.js';
 import overview from './pages/overview.js';
 import steps from './pages/steps.js';
-import tables from './pages/tables.js';
 import ranks from './pages/ranks.js';
 import timeline from './pages/timeline.js';
 import flame from './pages/flame.js';
 import memory from './pages/memory.js';
 
 const PAGES = [
-  ['overview', 'Overview', overview], ['steps', 'Steps', steps], ['tables', 'Kernels / ops / Python', tables],
+  ['overview', 'Overview', overview], ['steps', 'Steps', steps], ['tables', 'Kernels / ops / Python', (...a) => import('./pages/tables.js').then((m) => m.default(...a))],
   ['ranks', 'Ranks', ranks], ['timeline', 'Timeline', timeline], ['flame', 'Flame graph', flame], ['memory', 'Memory', memory],
 ];
 
 const state = { meta: null, rank: 0, cleanup: null };
 window.__aiprof = window.__aiprof || { charts: {} };
 window.__aiprof.state = state;
+window.__aiprof.fmt = { kernelName, elide, kernelLabels }; // name formatting, for tests and devtools
 
 export function route() {
   const [name, qs] = (location.hash.replace(/^#\/?/, '') || 'overview').split('?');
@@ -50,6 +50,7 @@ async function render() {
   try {
     state.cleanup = (await page[2](root, { rank: state.rank, meta: state.meta, params, go })) || null;
     root.dataset.ready = '1';
+    window.__aiprof.readyAt = performance.now(); // ms after navigation start: read by bench/ui_timeline_browser.py
   } catch (e) {
     root.innerHTML = `<div class="error">${esc(e.message)}</div>`;
     root.dataset.ready = 'error';

@@ -101,6 +101,8 @@ class FlopsAnalysis:
     precision: str
     peak_tflops: float | None
     device: str
+    tflops_per_s: float | None = None  # median over the steps (None: no FLOPs)
+    mfu_pct: float | None = None  # median over the steps (None: no FLOPs, or no peak for this GPU)
 
 
 def flops_analysis(rt: RankTrace, steps, precision: str = "bf16") -> FlopsAnalysis:
@@ -145,4 +147,7 @@ def flops_analysis(rt: RankTrace, steps, precision: str = "bf16") -> FlopsAnalys
             tf = sf[i] / dur_s / 1e12 if dur_s > 0 else 0.0
             per_step.append({"step": int(steps.number[i]), "flops": float(sf[i]), "tflops_per_s": float(tf),
                              "mfu_pct": 100.0 * tf / peak if peak else None})
-    return FlopsAnalysis(source, float(f.sum()), by_op, per_step, precision, peak, dev)
+    tf = [s["tflops_per_s"] for s in per_step if s["flops"] > 0]
+    mfu = [s["mfu_pct"] for s in per_step if s["flops"] > 0 and s["mfu_pct"] is not None]
+    return FlopsAnalysis(source, float(f.sum()), by_op, per_step, precision, peak, dev,
+                         float(np.median(tf)) if tf else None, float(np.median(mfu)) if mfu else None)

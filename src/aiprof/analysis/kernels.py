@@ -1,6 +1,8 @@
 """GPU kernel statistics per kernel name. Definitions in docs/metrics.md ("Kernels")."""
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +57,18 @@ def kernel_stats(rt: RankTrace, top: int | None = None) -> list[KernelStat]:
     return out
 
 
+def top_with_other(stats: list[KernelStat], k: int, by: str = "total_us") -> dict:
+    """The ``k`` kernels with the most ``by`` (``total_us`` or ``calls``) and one bucket for all
+    the others: ``{"by", "top": [KernelStat...], "other": {"kernels", "calls", "total_us"}}``, so a
+    top-k chart still adds up to every kernel of the rank."""
+    if by not in ("total_us", "calls"):
+        raise ValueError(f"by must be total_us or calls, not {by!r}")
+    order = sorted(stats, key=lambda s: (-getattr(s, by), -s.total_us, s.name))
+    top, rest = order[:max(k, 0)], order[max(k, 0):]
+    return {"by": by, "top": top, "other": {"kernels": len(rest), "calls": int(sum(s.calls for s in rest)),
+                                           "total_us": float(sum(s.total_us for s in rest))}}
+
+
 # ---------------------------------------------------------------- families, tensor cores, precision
 # A kernel name is a matmul/conv (tensor-core candidate) when it contains one of these.
 _MATMUL_WORDS = ("gemm", "gemv", "matmul", "cutlass", "cublas", "nvjet", "wgmma", "xmma", "hmma",
@@ -82,7 +96,7 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_s
 
 def kernel_family(name: str) -> str:
     """A kernel's family: its name without template arguments and parameters."""
-    n = name[5:] if name.startswith("void ") else name
+    n = name.removeprefix("void ")
     n = n.replace("(anonymous namespace)::", "")
     cut = len(n)
     for ch in "<(":
@@ -126,6 +140,150 @@ def kernel_precision(name: str) -> str:
     return ""
 
 
+# ------------------------------------------------------------- precision of every kernel
+# cuBLAS nvjet names carry the A/compute/output types as letters after "nvjet_[smNN_]": "t" is
+# bf16 (every nvjet_*_tst_* kernel of the H100/H200 traces ran under an aten::mm on BFloat16
+# inputs), "h"/"s"/"d" fp16/fp32/fp64 as in BLAS names.
+_NVJET_TYPES = re.compile(r"^nvjet_(?:sm\d+_)?([a-z])[a-z]{2}_")
+_NVJET_PRECISION = {"t": "bf16", "h": "fp16", "s": "fp32", "d": "fp64"}
+# C++ element types in template arguments; the first one named is the kernel's data type
+# (BinaryFunctor<c10::BFloat16, ..., MulFunctor<float>> works on bf16, float is its math type).
+# Integer types are not used: in kernel names they are mostly index types
+# (CatArrayBatchedCopy<OpaqueType<2u>, unsigned int, ...>).
+_CPP_TYPES = (("fp8", re.compile(r"Float8_e[45]m[23]|__nv_fp8")),
+              ("bf16", re.compile(r"BFloat16|__nv_bfloat16|bfloat16_t")),
+              ("fp16", re.compile(r"c10::Half\b|\b__half\b|\bhalf_t\b")),
+              ("fp64", re.compile(r"\bdouble\b")),
+              ("fp32", re.compile(r"\bfloat\b")))
+# Precisions only a kernel's name can tell (the op's inputs say fp32 for a TF32 matmul); for the
+# others the op's input dtype wins: 16-bit tensor-core names say "f16"/"h16816" for bf16 too
+# (cuDNN's sdpa ..._wgmma_f16_... kernels run under bf16 attention ops).
+_NAME_ONLY_PRECISIONS = ("tf32", "fp8", "int8")
+# whole-word dtype names, e.g. NCCL's ncclDevKernel_AllReduce_Sum_bf16_RING_LL
+_DTYPE_WORDS = (("fp8", {"fp8", "e4m3", "e5m2"}), ("int8", {"int8", "i8", "u8"}), ("bf16", {"bf16", "bfloat16"}),
+                ("fp16", {"fp16", "f16", "half"}), ("tf32", {"tf32"}), ("fp32", {"fp32", "f32", "float"}),
+                ("fp64", {"fp64", "f64", "double"}))
+# an op input that is an integer or boolean tensor (indices, masks): the data is not floating point
+_INT_DTYPES = {"long int", "int", "short int", "unsigned char", "bool", "long", "unsigned int", "uint8_t",
+               "int64_t", "int32_t"}
+INT_PRECISION = "int"  # integer or boolean data
+UNKNOWN_PRECISION = "unknown"
+
+
+def _without_params(name: str) -> str:
+    """A kernel's name without its return type and parameter list (their types are arguments)."""
+    n = name.replace("(anonymous namespace)", "")
+    depth = 0
+    for i, ch in enumerate(n):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif ch == "(" and depth == 0 and i > 0:
+            return n[:i]
+    return n
+
+
+def name_precision(name: str) -> str:
+    """The precision a kernel's name states ("" when it does not): library tokens of a matmul
+    kernel (:func:`kernel_precision`), else cuBLAS nvjet type letters, else the C++ element types of
+    its template arguments, else a dtype word (NCCL kernels)."""
+    if is_matmul_kernel(name):
+        p = kernel_precision(name)
+        if p:
+            return p
+        m = _NVJET_TYPES.match(name)
+        if m:
+            return _NVJET_PRECISION.get(m.group(1), "")
+    head = _without_params(name)
+    first = min(((m.start(), prec) for prec, rx in _CPP_TYPES for m in [rx.search(head)] if m), default=None)
+    if first is not None:
+        return first[1]
+    words = set(re.split(r"[^0-9a-z]+", head.lower().replace("_", " ")))
+    for prec, ws in _DTYPE_WORDS:
+        if words & ws:
+            return prec
+    return ""
+
+
+def op_input_precision(input_types: str) -> str:
+    """Precision of an op from its ``Input type`` list (``record_shapes``): the first floating
+    point input; ``int`` when every tensor input is integer or boolean; "" when unknown."""
+    try:
+        types = [str(t) for t in json.loads(input_types)] if input_types else []
+    except ValueError:
+        types = []
+    floats = [_DTYPE_PRECISION[t] for t in types if t in _DTYPE_PRECISION and _DTYPE_PRECISION[t] != "int8"]
+    if floats:
+        return floats[0]
+    if any(t in _DTYPE_PRECISION or t in _INT_DTYPES for t in types):
+        return "int8" if any(_DTYPE_PRECISION.get(t) == "int8" for t in types) else INT_PRECISION
+    return ""
+
+
+# ATen's type-erased copies (cat, index) name only the element size: OpaqueType<2u> is a 16-bit
+# element, fp16 or bf16; it gets the 16-bit type the rank's other kernels use most (by time).
+_OPAQUE_16BIT = re.compile(r"OpaqueType<2u?>")
+PRECISION_FROM_NAME, PRECISION_FROM_OP, PRECISION_UNKNOWN = 0, 1, -1
+
+
+def kernel_precisions(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
+    """Per kernel row: its precision ("" unknown) and where it was read.
+
+    The launching op is the op whose External id the kernel carries (the innermost op around its
+    launch); its precision is that of its first floating point input (``record_shapes``). A
+    kernel gets tf32/fp8/int8 when its name says so (only the name can), else its op's floating
+    point precision, else the precision its name states, else ``int`` when its op has only
+    integer/boolean inputs. Sources: PRECISION_FROM_NAME, PRECISION_FROM_OP, PRECISION_UNKNOWN.
+    Cached on the rank."""
+    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    if "kernel_precisions" in cache:
+        return cache["kernel_precisions"]
+    k, o = rt.kernels, rt.ops
+    if not len(k):
+        out = (np.zeros(0, dtype=object), np.zeros(0, dtype=np.int8))
+        cache["kernel_precisions"] = out
+        return out
+    names = k.strings("name")
+    by_name = np.array([name_precision(s) for s in names.labels] + [""], dtype=object)[names.codes]
+    by_op = np.full(len(k), "", dtype=object)
+    if len(o) and "input_types" in o and "ext_id" in o:
+        oe = o["ext_id"]
+        order = np.argsort(oe, kind="stable")
+        se = oe[order]
+        ke = k["ext_id"]
+        pos = np.clip(np.searchsorted(se, ke), 0, len(se) - 1)
+        hit = (se[pos] == ke) & (ke >= 0)
+        it = o.strings("input_types")
+        op_prec = np.array([op_input_precision(s) for s in it.labels] + [""], dtype=object)
+        by_op = np.where(hit, op_prec[it.codes[order[pos]]], "")
+    name_only = np.isin(by_name, _NAME_ONLY_PRECISIONS)
+    op_float = (by_op != "") & (by_op != INT_PRECISION) & ~name_only
+    use_name = ~op_float & (by_name != "")
+    use_op = op_float | (~use_name & (by_op != ""))
+    prec = np.where(use_op, by_op, np.where(use_name, by_name, ""))
+    src = np.where(use_op, PRECISION_FROM_OP, np.where(use_name, PRECISION_FROM_NAME, PRECISION_UNKNOWN)).astype(np.int8)
+    opaque = (prec == "") & _per_label(names, _OPAQUE_16BIT.search)[names.codes]
+    if opaque.any():
+        dur = k["dur"]
+        half = {p: float(dur[prec == p].sum()) for p in ("bf16", "fp16")}
+        if max(half.values()) > 0:
+            prec[opaque] = max(half, key=half.get)
+            src[opaque] = PRECISION_FROM_NAME
+    cache["kernel_precisions"] = (prec, src)
+    return prec, src
+
+
+def _time_by(labels: np.ndarray, dur_ns: np.ndarray, sel: np.ndarray | None = None) -> dict:
+    """Summed duration (µs) per label, largest first; "" is reported as ``unknown``."""
+    if sel is not None:
+        labels, dur_ns = labels[sel], dur_ns[sel]
+    out: dict[str, float] = {}
+    for lab in sorted(set(labels.tolist())):
+        out[lab or UNKNOWN_PRECISION] = float(dur_ns[labels == lab].sum()) / NS_PER_US
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 @dataclass
 class OpKernels:
     """GPU time grouped by the torch op that launched it."""
@@ -148,7 +306,9 @@ class KernelAnalysis:
     tensor_core_pct_of_compute: float
     non_tc_matmul_us: float
     non_tc_matmul_kernels: list[str]  # names of matmul kernels without tensor cores, by time
-    precision_us: dict  # matmul kernel time by precision from kernel names
+    precision_us: dict  # matmul kernel time by precision (kernel name, else the launching op's input dtype)
+    kernel_precision_us: dict  # all kernel time by precision, same sources ("unknown" where neither says)
+    kernel_precision_source_us: dict  # all kernel time by where its precision was read: name, op dtype, unknown
     op_precision: dict  # matmul op calls by input dtype: {"bf16": calls, ...}
     fp32_matmul_ops: list[dict]  # [{"op","calls","gpu_us"}] matmul ops with fp32 inputs
     families: list[dict]  # [{"family","calls","total_us","share_pct_of_compute"}]
@@ -166,18 +326,16 @@ def kernel_analysis(rt: RankTrace, n_steps: int = 1, top: int = 15) -> KernelAna
     """Tensor-core share, precision mix, families, per-op grouping, launch counts."""
     k = rt.kernels
     if not len(k):
-        return KernelAnalysis(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], {}, _op_precision(rt), [], [], [], 0.0, 0.0, 0.0)
+        return KernelAnalysis(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, [], {}, {}, {}, _op_precision(rt), [], [], [], 0.0, 0.0,
+                              0.0)
     names = k.strings("name")
     dur = k["dur"].astype(np.float64)
     comm = k.strings("cls").isin_labels(lambda s: s == "communication")
     mm = _per_label(names, is_matmul_kernel)[names.codes] & ~comm
     tc = _per_label(names, is_tensor_core_kernel)[names.codes] & ~comm
     compute_ns = float(dur[~comm].sum())
-    prec_label = [kernel_precision(s) for s in names.labels] + [""]
-    prec = np.array(prec_label, dtype=object)[names.codes]
-    precision_us = {}
-    for p in sorted(set(prec[mm])):
-        precision_us[p or "unknown"] = float(dur[mm & (prec == p)].sum()) / NS_PER_US
+    prec, prec_src = kernel_precisions(rt)
+    source_label = np.array(["", "name", "op dtype"], dtype=object)[prec_src + 1]
     nontc = mm & ~tc
     per_name = np.bincount(names.codes[nontc], weights=dur[nontc], minlength=len(names.labels))
     nontc_names = [names.labels[c] for c in np.argsort(-per_name)[:5] if per_name[c] > 0]
@@ -198,7 +356,8 @@ def kernel_analysis(rt: RankTrace, n_steps: int = 1, top: int = 15) -> KernelAna
         tensor_core_us=float(dur[tc].sum()) / NS_PER_US,
         tensor_core_pct_of_compute=100.0 * float(dur[tc].sum()) / compute_ns if compute_ns else 0.0,
         non_tc_matmul_us=float(dur[nontc].sum()) / NS_PER_US, non_tc_matmul_kernels=nontc_names,
-        precision_us=precision_us, op_precision=_op_precision(rt), fp32_matmul_ops=_fp32_matmul_ops(rt),
+        precision_us=_time_by(prec, dur, mm), kernel_precision_us=_time_by(prec, dur),
+        kernel_precision_source_us=_time_by(source_label, dur), op_precision=_op_precision(rt), fp32_matmul_ops=_fp32_matmul_ops(rt),
         families=families, by_op=kernels_by_op(rt, top),
         launches_per_step=len(k) / max(n_steps, 1),
         mean_kernel_us=float(dur.mean()) / NS_PER_US, median_kernel_us=float(np.median(dur)) / NS_PER_US,

@@ -216,22 +216,14 @@ class Arrivals:
     worst: list  # the largest single waits: {"collective", "pg", "step", "last_rank", "caused_us"}
 
 
-def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None) -> tuple[Alignment, Arrivals]:
-    """Match collectives across ranks, estimate clock offsets, and score arrivals.
+def _match_groups(have: list[RankCollectives]) -> tuple[dict, dict, list[str]]:
+    """Match each process group's collectives across its member ranks.
 
-    ``columns``, when given, receives the matching itself: ``{"rank_index": {rank: indices into
-    that rank's RankCollectives, one per matched collective (-1: absent)}, "offset_ns": {rank:
-    ns to add to the rank's clock}}`` (the what-if replay couples ranks through it)."""
-    ranks = [c.rank for c in colls]
-    have = [c for c in colls if len(c)]
-    empty_arr = Arrivals(0, {r: 0 for r in ranks}, {r: 0 for r in ranks}, {r: 0.0 for r in ranks},
-                         {r: 0.0 for r in ranks}, [])
-    if len(have) < 2:
-        ref = have[0].rank if have else (ranks[0] if ranks else -1)
-        return Alignment(ref, "none (fewer than two ranks with collectives)",
-                         {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0 for r in ranks}), empty_arr
+    Returns ``(pg_ref, pg_match, order)``: per group its reference rank (the member with most of
+    its collectives), per group and member rank the index in that rank's list of each of the
+    reference's collectives in the group (-1: not matched), and the groups by member count,
+    largest first."""
     by_rank = {c.rank: c for c in have}
-    # each process group is matched against its own reference: the rank with most of its collectives
     pgs: dict[str, list[int]] = {}
     for c in have:
         for p in npx.unique(c.pg):
@@ -252,13 +244,64 @@ def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None
             mb = np.nonzero(b.pg == p)[0]
             j = match_lists(a.sig[ma], a.step[ma], a.end[ma], a.seq[ma], b.sig[mb], b.step[mb], b.end[mb], b.seq[mb])
             pg_match[p][r] = npx.take(mb, j, -1)
+    order = sorted(pgs, key=lambda p: -len(pgs[p]))
+    return pg_ref, pg_match, order
+
+
+def _arrival_matrix(ranks: list[int], by_rank: dict, pg_ref: dict, pg_match: dict, order: list[str],
+                    offset: dict) -> dict:
+    """One column per collective of each group's reference, matched by at least two ranks: per
+    rank (row, in ``ranks`` order) the start on the aligned clock (NaN: not matched), plus per
+    column its group, step and, per rank, the index of the collective in that rank's list."""
+    idx = {r: i for i, r in enumerate(ranks)}
+    cols, pos_cols, col_pg, col_step = [], [], [], []
+    for p in order:
+        ref = pg_ref[p]
+        ia = pg_match[p][ref]
+        m = np.full((len(ranks), len(ia)), np.nan)
+        pm = np.full((len(ranks), len(ia)), -1, dtype=np.int64)
+        for r, ib in pg_match[p].items():
+            if r not in offset:
+                continue
+            ok = ib >= 0
+            m[idx[r], ok] = by_rank[r].start[ib[ok]] + offset[r]
+            pm[idx[r], ok] = ib[ok]
+        cols.append(m)
+        pos_cols.append(pm)
+        col_pg += [p] * len(ia)
+        col_step.append(by_rank[ref].step[ia])
+    if not cols:
+        z = np.zeros((len(ranks), 0))
+        return {"start": z, "index": z.astype(np.int64), "pg": [], "step": np.zeros(0, np.int64)}
+    a = np.concatenate(cols, axis=1)
+    keep = (~np.isnan(a)).sum(axis=0) >= 2
+    return {"start": a[:, keep], "index": np.concatenate(pos_cols, axis=1)[:, keep],
+            "pg": [p for p, k in zip(col_pg, keep) if k], "step": np.concatenate(col_step)[keep]}
+
+
+def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None) -> tuple[Alignment, Arrivals]:
+    """Match collectives across ranks, estimate clock offsets, and score arrivals.
+
+    ``columns``, when given, receives the matching itself: ``{"rank_index": {rank: indices into
+    that rank's RankCollectives, one per matched collective (-1: absent)}, "offset_ns": {rank:
+    ns to add to the rank's clock}}`` (the what-if replay couples ranks through it)."""
+    ranks = [c.rank for c in colls]
+    have = [c for c in colls if len(c)]
+    empty_arr = Arrivals(0, {r: 0 for r in ranks}, {r: 0 for r in ranks}, {r: 0.0 for r in ranks},
+                         {r: 0.0 for r in ranks}, [])
+    if len(have) < 2:
+        ref = have[0].rank if have else (ranks[0] if ranks else -1)
+        return Alignment(ref, "none (fewer than two ranks with collectives)",
+                         {r: 0.0 for r in ranks}, {r: 0.0 for r in ranks}, {r: 0 for r in ranks}), empty_arr
+    by_rank = {c.rank: c for c in have}
+    # each process group is matched against its own reference: the rank with most of its collectives
+    pg_ref, pg_match, order = _match_groups(have)
     # offsets: end-time differences against each group's reference, chained from the global reference
     use_ends = all(c.side != "cpu" for c in have)
     global_ref = max(have, key=lambda c: (len(c), -c.rank)).rank
     offset = {global_ref: 0.0}
     spread = {global_ref: 0.0}
     matched = {global_ref: int(len(by_rank[global_ref]))}
-    order = sorted(pgs, key=lambda p: -len(pgs[p]))
     changed = True
     while changed:
         changed = False
@@ -285,49 +328,26 @@ def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None
                    {r: spread.get(r, 0.0) / NS_PER_US for r in ranks}, {r: matched.get(r, 0) for r in ranks})
     # arrival matrix: one column per collective of each group's reference
     idx = {r: i for i, r in enumerate(ranks)}
-    cols, col_pg, col_step, col_idx = [], [], [], []
-    for p in order:
-        ref = pg_ref[p]
-        ia = pg_match[p][ref]
-        m = np.full((len(ranks), len(ia)), np.nan)
-        mi = np.full((len(ranks), len(ia)), -1, dtype=np.int64)
-        for r, ib in pg_match[p].items():
-            if r not in offset:
-                continue
-            ok = ib >= 0
-            m[idx[r], ok] = by_rank[r].start[ib[ok]] + offset[r]
-            mi[idx[r], ok] = ib[ok]
-        cols.append(m)
-        col_idx.append(mi)
-        col_pg += [p] * len(ia)
-        col_step.append(by_rank[ref].step[ia])
-    a = np.concatenate(cols, axis=1)
-    steps_of = np.concatenate(col_step)
-    present = ~np.isnan(a)
-    keep = present.sum(axis=0) >= 2
-    a, present, steps_of = a[:, keep], present[:, keep], steps_of[keep]
+    am = _arrival_matrix(ranks, by_rank, pg_ref, pg_match, order, offset)
+    a, steps_of, col_pg = am["start"], am["step"], am["pg"]
     if columns is not None:
-        ci = np.concatenate(col_idx, axis=1)[:, keep]
-        columns["rank_index"] = {r: ci[i] for r, i in idx.items()}
+        columns["rank_index"] = {r: am["index"][i] for r, i in idx.items()}
         columns["offset_ns"] = {r: float(offset.get(r, 0.0)) for r in ranks}
-    col_pg = [p for p, k in zip(col_pg, keep) if k]
+    present = ~np.isnan(a)
     n = a.shape[1]
     if n == 0:
         return al, empty_arr
-    filled = np.where(present, a, -np.inf)
-    last = np.argmax(filled, axis=0)
-    top = filled[last, np.arange(n)]
-    second = np.partition(filled, -2, axis=0)[-2] if len(ranks) >= 2 else top
-    caused = np.where(np.isfinite(second), top - second, 0.0)
+    last, caused = _last_arrivals(a)
+    top = np.where(present, a, -np.inf).max(axis=0)
+    second = top - caused
     last_count = np.bincount(last, minlength=len(ranks))
     # waits of concurrent collectives overlap in time (a rank that issues two all-reduces waits
     # for both at once): a rank's wait is the union of its waiting intervals, and what a
     # straggler caused is the union of the intervals between the second-last and its arrival
     caused_by = np.zeros(len(ranks))
     waited_by = np.zeros(len(ranks))
-    fin = np.isfinite(second)
     for i in range(len(ranks)):
-        mine = (last == i) & fin
+        mine = (last == i) & (caused > 0)
         caused_by[i] = union(second[mine], top[mine]).total if mine.any() else 0.0
         pres = present[i]
         waited_by[i] = union(a[i, pres], top[pres]).total if pres.any() else 0.0
@@ -338,6 +358,68 @@ def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None
                    {r: float(caused_by[i]) / NS_PER_US for r, i in idx.items()},
                    {r: float(waited_by[i]) / NS_PER_US for r, i in idx.items()}, worst)
     return al, arr
+
+
+def _last_arrivals(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per column of an arrival matrix (NaN: absent): the row that arrived last, and the wait it
+    alone caused (last minus second-last arrival; 0 with one arrival)."""
+    filled = np.where(~np.isnan(a), a, -np.inf)
+    last = np.argmax(filled, axis=0)
+    top = filled[last, np.arange(a.shape[1])]
+    second = np.partition(filled, -2, axis=0)[-2] if a.shape[0] >= 2 else top
+    return last, np.where(np.isfinite(second), top - second, 0.0)
+
+
+@dataclass
+class MatchedCollectives:
+    """Every collective matched by at least two ranks, on the aligned clock (the report's
+    ``cross_rank.alignment.offset_us``). Arrays are (ranks × collectives) unless noted."""
+
+    ranks: list[int]
+    side: dict  # rank -> "gpu" | "kernels" | "cpu"
+    pg: list[str]  # per collective
+    sig: list[str]  # per collective: "type:elements" (or the type)
+    step: np.ndarray  # per collective: step number of the reference rank (-1: none)
+    start: np.ndarray  # aligned start ns (NaN: the rank has no match)
+    end: np.ndarray  # aligned end ns
+    local_start: np.ndarray  # start on the rank's own clock (int64; -1: no match)
+    local_end: np.ndarray
+    last: np.ndarray  # per collective: row (index into ranks) of the last arrival
+    caused_ns: np.ndarray  # per collective: last minus second-last arrival
+
+
+def matched_collectives(cap: Capture, offset_us: dict) -> MatchedCollectives:
+    """Match the collectives of ``cap``'s ranks as :func:`align_and_arrivals` does and put them on
+    the clock given by ``offset_us`` (rank or str(rank) -> µs to add to that rank's times)."""
+    colls = [rank_collectives(rt) for rt in cap.ranks]
+    ranks = [c.rank for c in colls]
+    have = [c for c in colls if len(c)]
+    by_rank = {c.rank: c for c in have}
+    offset = {r: float(offset_us.get(str(r), offset_us.get(r, 0.0)) or 0.0) * NS_PER_US for r in by_rank}
+    if len(have) >= 2:
+        pg_ref, pg_match, order = _match_groups(have)
+        am = _arrival_matrix(ranks, by_rank, pg_ref, pg_match, order, offset)
+    else:
+        am = _arrival_matrix(ranks, by_rank, {}, {}, [], offset)
+    a, ix = am["start"], am["index"]
+    n = a.shape[1]
+    ls = np.full((len(ranks), n), -1, dtype=np.int64)
+    le = np.full((len(ranks), n), -1, dtype=np.int64)
+    end = np.full((len(ranks), n), np.nan)
+    sig = [""] * n
+    for i, r in enumerate(ranks):
+        c = by_rank.get(r)
+        if c is None:
+            continue
+        ok = ix[i] >= 0
+        ls[i, ok] = c.start[ix[i, ok]]
+        le[i, ok] = c.end[ix[i, ok]]
+        end[i, ok] = c.end[ix[i, ok]] + offset[r]
+        for j in np.nonzero(ok)[0].tolist():
+            sig[j] = sig[j] or str(c.sig[ix[i, j]])
+    last, caused = _last_arrivals(a) if n else (np.zeros(0, np.int64), np.zeros(0))
+    return MatchedCollectives(ranks, {c.rank: c.side for c in colls}, am["pg"], sig, am["step"], a, end, ls, le,
+                              last, caused)
 
 
 # ------------------------------------------------------------------------------ robust outliers

@@ -15,13 +15,19 @@ from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
 from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
-from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
+from aiprof.analysis.kernels import (
+    KernelStat,
+    kernel_analysis,
+    kernel_stats,
+    top_with_other,
+)
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.ranks import cross_rank
 from aiprof.analysis.runtime import runtime_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.diagnosis import engine as diag_engine
 from aiprof.diagnosis.facts import RankFacts
+from aiprof.analysis.timeseries import gpu_activity, memop_distribution
 from aiprof.trace.store import Capture, RankTrace
 
 SCHEMA = "aiprof.report/2"
@@ -49,6 +55,11 @@ class RankReport:
     memory: dict = field(default_factory=dict)  # analysis.memory.MemoryAnalysis
     flops: dict = field(default_factory=dict)  # analysis.flops.FlopsAnalysis
     step_diff: dict | None = None  # analysis.diff.StepDiff: median step vs slowest step
+    # the dashboard's whole-trace panels (analysis.kernels / analysis.timeseries)
+    kernels_other: dict = field(default_factory=dict)  # the kernels after top_kernels: count, calls, time
+    kernels_by_calls: dict = field(default_factory=dict)  # top kernels by launches + "other"
+    activity: dict = field(default_factory=dict)  # GPU time and count of kernels, memcpy, memset
+    memops: list = field(default_factory=list)  # per memcpy/memset name: count, bytes, time
 
 
 def _device(rt: RankTrace) -> dict:
@@ -107,17 +118,27 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
     fa = flops_analysis(rt, steps, precision)
     ma = memory_from_trace(rt, _step_of(steps), top=10)
     sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
+    stats = kernel_stats(rt)
     rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
         step_source=steps.source,
         window={"start_ns": lo, "end_ns": hi, "duration_us": (hi - lo) / 1000.0},
-        steps=breakdown, summary=summarize(breakdown), top_kernels=kernel_stats(rt, top),
+        steps=breakdown, summary=summarize(breakdown), top_kernels=stats[:top],
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
         kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
         memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
+        kernels_other={**top_with_other(stats, top, "total_us")["other"], "distinct": len(stats)},
+        kernels_by_calls=_by_calls(top_with_other(stats, top, "calls")),
+        activity=gpu_activity(rt), memops=memop_distribution(rt),
     )
     facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes)
     return rep, facts
+
+
+def _by_calls(t: dict) -> dict:
+    """The top kernels by launches, slim (the full statistics of the top by time are in top_kernels)."""
+    return {"top": [{"name": x.name, "cls": x.cls, "calls": x.calls, "total_us": x.total_us} for x in t["top"]],
+            "other": t["other"]}
 
 
 def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankReport:

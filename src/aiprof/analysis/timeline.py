@@ -59,6 +59,8 @@ class Lane:
     source: np.ndarray  # index into SOURCES
     row: np.ndarray  # row in the source table
     kind: str = ""  # what the lane holds, for its label: "annotations", "kernels / memcpy", "sync"; "" = by group
+    proc: int = -1  # where it sits in the hierarchy: host lanes: process id; GPU lanes: device
+    thread: int = -1  # host lanes: thread id; GPU lanes: stream
     endmax: np.ndarray = field(repr=False, default=None)  # running max of end (sorted)
     cum: np.ndarray = field(repr=False, default=None)  # prefix sums of duration, len n+1
     levels: list[np.ndarray] = field(repr=False, default_factory=list)
@@ -94,6 +96,7 @@ class TimelineIndex:
     # per source table: lane id and position in the lane of each row (-1 = not on the timeline)
     where: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False)
     tree: HostTree | None = field(default=None, repr=False)
+    processes: dict[int, str] = field(default_factory=dict)  # host process id -> its name in the trace
 
     @property
     def events(self) -> int:
@@ -112,6 +115,28 @@ def _thread_labels(rt: RankTrace) -> dict[int, str]:
     if not len(th):
         return {}
     return {int(t): str(n) for t, n in zip(th["tid"], th["name"]) if t >= 0 and str(n)}
+
+
+def _thread_process(rt: RankTrace) -> tuple[dict[int, int], dict[int, str]]:
+    """Host thread id -> process id (from the trace's thread metadata, else from its ops and
+    Python events), and process id -> process name."""
+    pid_of: dict[int, int] = {}
+    names: dict[int, str] = {}
+    th = rt.threads
+    if len(th):
+        nm = th.strings("name") if hasattr(th.columns["name"], "labels") else None
+        for i, (p, t) in enumerate(zip(th["pid"].tolist(), th["tid"].tolist())):
+            if t >= 0:
+                pid_of.setdefault(int(t), int(p))
+            elif nm is not None:
+                names.setdefault(int(p), nm.labels[nm.codes[i]])
+    for tname in ("ops", "python", "runtime", "annotations"):
+        t = rt.table(tname)
+        if len(t) and "pid" in t.columns and "tid" in t.columns:
+            tids, pids, _ = npx.unique_pairs(t["tid"].astype(np.int64), t["pid"].astype(np.int64))
+            for tid, pid in zip(tids.tolist(), pids.tolist()):
+                pid_of.setdefault(int(tid), int(pid))
+    return pid_of, names
 
 
 class _Labels:
@@ -160,6 +185,7 @@ def build_index(rt: RankTrace) -> TimelineIndex:
     if len(tree):
         code_map = labels.remap(tree.labels)
         tlabels = _thread_labels(rt)
+        pid_of, proc_names = _thread_process(rt)
         src_of_kind = np.array([_TREE_KIND_TO_SOURCE[k] for k in range(4)], np.int8)
         key = tree.tid.astype(np.int64)
         for tid in npx.unique(key).tolist():
@@ -172,7 +198,8 @@ def build_index(rt: RankTrace) -> TimelineIndex:
             for d in npx.unique(depths).tolist():
                 idx = idx_t[depths == d]
                 add(Lane(len(lanes), "host", label, int(d), tree.start[idx], tree.end[idx], code_map[tree.code[idx]],
-                         src_of_kind[tree.kind[idx]], tree.row[idx].astype(np.int64)))
+                         src_of_kind[tree.kind[idx]], tree.row[idx].astype(np.int64), proc=pid_of.get(tid, -1),
+                         thread=int(tid)))
     # GPU streams: per (device, stream), the GPU-side annotations (nested by depth), the work
     # (kernels, memcpy, memset; overlaps get extra lanes) and the sync events, in that order
     groups = {"annotations": [], "work": [], "sync": []}
@@ -215,18 +242,21 @@ def build_index(rt: RankTrace) -> TimelineIndex:
                 if g == "work" and lane_d:
                     track += f" (overlap {lane_d})"
                 add(Lane(len(lanes), "gpu", track, int(lane_d) if g == "annotations" else 0, c["start"][oo],
-                         c["end"][oo], c["name"][oo], c["src"][oo], c["row"][oo], kind=kind))
+                         c["end"][oo], c["name"][oo], c["src"][oo], c["row"][oo], kind=kind, proc=d, thread=s))
     lo = min((int(l.start[0]) for l in lanes if len(l)), default=0)
     hi = max((int(l.endmax[-1]) for l in lanes if len(l)), default=lo + 1)
-    tl = TimelineIndex(rt.rank, lanes, labels.list(), lo, max(hi, lo + 1), where, tree)
+    procs = {}
+    if len(tree):
+        procs = {lane.proc: proc_names.get(lane.proc, "") for lane in lanes if lane.group == "host"}
+    tl = TimelineIndex(rt.rank, lanes, labels.list(), lo, max(hi, lo + 1), where, tree, procs)
     cache["timeline_index"] = tl
     return tl
 
 
 def lanes_info(tl: TimelineIndex) -> list[dict]:
     """The lanes (without their events), in display order."""
-    return [{"id": l.id, "group": l.group, "track": l.track, "depth": l.depth, "kind": l.kind, "events": len(l)}
-            for l in tl.lanes]
+    return [{"id": l.id, "group": l.group, "track": l.track, "depth": l.depth, "kind": l.kind, "events": len(l),
+             "proc": l.proc, "thread": l.thread} for l in tl.lanes]
 
 
 def window(tl: TimelineIndex, t0: int, t1: int, px: int, lane_ids: list[int] | None = None,
@@ -374,3 +404,106 @@ def event_detail(rt: RankTrace, tl: TimelineIndex, source: str, row: int) -> dic
         out["stack"] = [{"kind": ("python", "op", "runtime", "annotation")[tree.kind[n]], "name": tree.name(n)}
                         for n in reversed(tree.ancestors(node))]
     return out
+
+
+def find_at(tl: TimelineIndex, group: str, start: int, end: int | None = None) -> dict | None:
+    """The event of a ``group`` lane ("gpu" or "host") that starts at ``start`` (absolute ns; and
+    ends at ``end`` when given): one binary search per lane. None when there is none."""
+    for lane in tl.lanes:
+        if lane.group != group or not len(lane):
+            continue
+        i = int(np.searchsorted(lane.start, start, side="left"))
+        while i < len(lane) and lane.start[i] == start:
+            if end is None or lane.end[i] == end:
+                return {"lane": lane.id, "source": SOURCES[lane.source[i]], "row": int(lane.row[i]),
+                        "name": tl.labels[lane.name[i]], "start": int(lane.start[i]), "end": int(lane.end[i])}
+            i += 1
+    return None
+
+
+def flows(rt: RankTrace, tl: TimelineIndex, t0: int, t1: int, limit: int = 2000, origin: int = 0) -> dict:
+    """Launch -> GPU work arrows for every kernel, memcpy, memset and sync event overlapping
+    ``[t0, t1)`` (absolute ns) whose launch call is in the trace, earliest first, at most ``limit``.
+    Returns columns ``from_lane, from_start, from_end, to_lane, to_start, to_end`` (ns after
+    ``origin``), ``total`` (arrows in the range) and ``truncated``."""
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("from_lane", "from_start", "from_end", "to_lane",
+                                                         "to_start", "to_end")}
+    rl, rp = tl.where.get("runtime", (np.zeros(0, np.int32), np.zeros(0, np.int64)))
+    for lane in tl.lanes:
+        if lane.group != "gpu" or lane.kind == "annotations" or not len(lane):
+            continue
+        lo = int(np.searchsorted(lane.endmax, t0, side="right"))
+        hi = int(np.searchsorted(lane.start, t1, side="left"))
+        if hi <= lo:
+            continue
+        pos = np.arange(lo, hi)
+        pos = pos[lane.end[pos] > t0]
+        for src in ("kernels", "memops", "gpu_sync"):
+            p = pos[lane.source[pos] == SOURCES.index(src)]
+            if not len(p):
+                continue
+            launch = launch_rows(rt.runtime, rt.table(src).take(lane.row[p]))
+            ok = launch >= 0
+            ok[ok] = rl[launch[ok]] >= 0  # the launch call is on the timeline
+            p, launch = p[ok], launch[ok]
+            if not len(p):
+                continue
+            fl = rl[launch].astype(np.int64)
+            fp = rp[launch]
+            cols["from_lane"].append(fl)
+            cols["from_start"].append(np.array([tl.lanes[a].start[b] for a, b in zip(fl.tolist(), fp.tolist())], np.int64))
+            cols["from_end"].append(np.array([tl.lanes[a].end[b] for a, b in zip(fl.tolist(), fp.tolist())], np.int64))
+            cols["to_lane"].append(np.full(len(p), lane.id, np.int64))
+            cols["to_start"].append(lane.start[p])
+            cols["to_end"].append(lane.end[p])
+    if not cols["to_lane"]:
+        return {**{k: [] for k in cols}, "total": 0, "truncated": False}
+    c = {k: np.concatenate(v) for k, v in cols.items()}
+    order = np.argsort(c["to_start"], kind="stable")
+    total = len(order)
+    order = order[:max(0, limit)]
+    out = {k: (v[order] - (origin if k.endswith(("start", "end")) else 0)).tolist() for k, v in c.items()}
+    return {**out, "total": int(total), "truncated": total > len(order)}
+
+
+def next_occurrence(tl: TimelineIndex, source: str, row: int, direction: int) -> dict | None:
+    """The next (``direction`` > 0) or previous event with the same name as the given one, in any
+    lane of the rank, ordered by (start, lane, position); for a step, the next or previous step.
+    None when there is none (or the event is not on the timeline)."""
+    lid, pos = tl.locate(source, row)
+    if lid < 0:
+        return None
+    lane = tl.lanes[lid]
+    if lane.group == "steps":
+        q = pos + (1 if direction > 0 else -1)
+        return _ref_at(tl, lid, q) if 0 <= q < len(lane) else None
+    code, t = lane.name[pos], int(lane.start[pos])
+    best: tuple | None = None
+    for ln in tl.lanes:
+        idx = np.nonzero(ln.name == code)[0]
+        if not len(idx):
+            continue
+        st = ln.start[idx]
+        if direction > 0:
+            if ln.id == lid:
+                cand = idx[idx > pos]
+            else:
+                cand = idx[(st > t) | ((st == t) & (ln.id > lid))]
+            if len(cand):
+                key = (int(ln.start[cand[0]]), ln.id, int(cand[0]))
+                best = key if best is None or key < best else best
+        else:
+            if ln.id == lid:
+                cand = idx[idx < pos]
+            else:
+                cand = idx[(st < t) | ((st == t) & (ln.id < lid))]
+            if len(cand):
+                key = (int(ln.start[cand[-1]]), ln.id, int(cand[-1]))
+                best = key if best is None or key > best else best
+    return None if best is None else _ref_at(tl, best[1], best[2])
+
+
+def _ref_at(tl: TimelineIndex, lid: int, pos: int) -> dict:
+    lane = tl.lanes[lid]
+    return {"lane": lid, "source": SOURCES[lane.source[pos]], "row": int(lane.row[pos]),
+            "name": tl.labels[lane.name[pos]], "start": int(lane.start[pos]), "end": int(lane.end[pos])}

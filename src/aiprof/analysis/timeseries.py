@@ -86,6 +86,29 @@ def load_hw(rt: RankTrace) -> HwSamples | None:
     return out
 
 
+HW_MEMORY = {"mem_used_bytes": "used", "proc_rss_bytes": "process RSS"}  # memory metrics of hw.csv
+
+
+def hw_memory(hw: HwSamples | None, lo: int, hi: int, px: int) -> list[dict]:
+    """Memory samples of ``hw.csv`` (NVML ``mem_used_bytes`` per GPU; the host's used memory and the
+    process's RSS) over ``[lo, hi)``: per (device, metric) the series downsampled to ``px`` columns
+    (maximum per column, so the peak stays) and the peak with its time. GPUs first."""
+    if hw is None:
+        return []
+    out = []
+    for (dev, metric), (ts, v) in sorted(hw.series.items(), key=lambda kv: (kv[0][0] == "host", kv[0])):
+        if metric not in HW_MEMORY:
+            continue
+        a, b = np.searchsorted(ts, [lo, hi])
+        if b <= a:
+            continue
+        i = a + int(np.argmax(v[a:b]))
+        d = downsample(ts, v, lo, hi, px)
+        out.append({"device": dev, "metric": metric, "label": f"{dev} {HW_MEMORY[metric]}", "ts": d["ts"],
+                    "value": d["value"], "peak_bytes": float(v[i]), "peak_ts": int(ts[i]), "samples": int(b - a)})
+    return out
+
+
 HW_CPU_SYSTEM = "cpu_util_pct"  # all CPUs busy since the previous sample (psutil), %
 HW_CPU_PROCESS = "proc_cpu_pct"  # this process's CPU time since the previous sample, % of one CPU
 
@@ -148,7 +171,9 @@ def downsample(ts: np.ndarray, values: np.ndarray, t0: int, t1: int, px: int, ho
 
 
 def gpu_activity(rt: RankTrace) -> dict:
-    """GPU time and counts by activity: kernels, memcpy, memset, sync (``cuda_sync`` events)."""
+    """GPU time and counts by activity: kernels, memcpy, memset. (Kineto's ``cuda_sync`` events
+    are not GPU work: they are the host's waits in synchronisation calls, drawn on the stream; the
+    report's ``sync_us`` is the host-side figure.)"""
     out = {}
     k = rt.kernels
     out["kernels"] = {"count": int(len(k)), "time_us": float(k["dur"].sum()) / NS_PER_US if len(k) else 0.0}
@@ -156,8 +181,6 @@ def gpu_activity(rt: RankTrace) -> dict:
     for kind in ("memcpy", "memset"):
         sel = (m.strings("kind").isin_labels(lambda s, kk=kind: s == kk)) if len(m) else np.zeros(0, bool)
         out[kind] = {"count": int(sel.sum()), "time_us": float(m["dur"][sel].sum()) / NS_PER_US if len(m) else 0.0}
-    s = rt.gpu_sync
-    out["sync"] = {"count": int(len(s)), "time_us": float(s["dur"].sum()) / NS_PER_US if len(s) else 0.0}
     return out
 
 

@@ -13,8 +13,9 @@ import numpy as np
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.hotspots import hotspots
-from aiprof.analysis.kernels import kernel_stats
+from aiprof.analysis.kernels import kernel_stats, top_with_other
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
+from aiprof.analysis.ranks import MatchedCollectives, matched_collectives
 from aiprof.analysis.report import build_report
 from aiprof.analysis.steps import find_steps
 from aiprof.analysis.steps import window as steps_window
@@ -22,6 +23,8 @@ from aiprof.errors import AiprofError
 from aiprof.trace.store import Capture, RankTrace
 
 MAX_ROWS = 5000  # rows a table endpoint returns at most
+MAX_FLOWS = 5000  # launch -> GPU arrows per answer: more than a readable screen holds
+MAX_COLLECTIVES = 2000  # cross-rank collective links per answer
 
 
 def _concerns(cause: dict, rank: int) -> bool:
@@ -32,7 +35,7 @@ def _concerns(cause: dict, rank: int) -> bool:
     st = (cause.get("evidence") or {}).get("straggler")
     return isinstance(st, dict) and rank in st.get("waiting_ranks", [])
 HW_GPU_UTIL = "gpu_util_pct"
-HW_CPU = ("cpu_util_pct", "proc_cpu_pct")
+HW_CPU = {"cpu_util_pct": "% of all CPUs", "proc_cpu_pct": "% of one CPU"}  # hw.csv CPU metrics and their units
 
 
 class BadRequest(AiprofError):
@@ -84,10 +87,21 @@ class CaptureData:
     def index(self, rt: RankTrace) -> timeline.TimelineIndex:
         return self._once(("tl", rt.rank), lambda: timeline.build_index(rt))
 
+    def offset_ns(self, r: int) -> int:
+        """What to add to rank ``r``'s timestamps to put them on the common clock: the cross-rank
+        analysis's clock offset (``cross_rank.alignment.offset_us``; 0 for one rank)."""
+        cross = self.report().get("cross_rank") or {}
+        off = ((cross.get("alignment") or {}).get("offset_us") or {}).get(str(r)) or 0.0
+        return round(float(off) * 1000.0)
+
     def origin(self) -> int:
-        """Common time origin of all ranks (ns, the report's window start): the UI shows times
-        after it. Not taken from the report so that the timeline needs no full analysis."""
-        return self._once("origin", lambda: min(steps_window(rt)[0] for rt in self.capture.ranks))
+        """Common time origin of all ranks (ns on the aligned clock, the earliest window start):
+        the UI shows times after it."""
+        return self._once("origin", lambda: min(steps_window(rt)[0] + self.offset_ns(rt.rank) for rt in self.capture.ranks))
+
+    def shift(self, r: int) -> int:
+        """UI time = rank ``r``'s own timestamp + this (ns): aligned clock, after the origin."""
+        return self.offset_ns(r) - self.origin()
 
     # ------------------------------------------------------------------ pages
     def meta(self) -> dict:
@@ -101,6 +115,8 @@ class CaptureData:
                       for r in rep["ranks"]],
             "causes": len(rep["causes"]),
             "memory_snapshot": self.memory_snapshot,
+            "clock": {"method": ((rep.get("cross_rank") or {}).get("alignment") or {}).get("method", "one rank"),
+                      "offset_ns": {str(rt.rank): self.offset_ns(rt.rank) for rt in self.capture.ranks}},
         }
 
     def overview(self, r: int, k: int = 15) -> dict:
@@ -111,11 +127,15 @@ class CaptureData:
         rep = self.report()
         s = rr["summary"] or {}
         stats = self._once(("kstats", rt.rank), lambda: kernel_stats(rt))
-        act = timeseries.gpu_activity(rt)
+        # whole-trace panels from the report (computed here only for a report written without them)
+        act = rr.get("activity") or timeseries.gpu_activity(rt)
+        memops = rr["memops"] if "memops" in rr else timeseries.memop_distribution(rt)
         util = []
         for other in self.capture.ranks:
             w = self.rank_report(other.rank)["window"]
             util.append({"rank": other.rank, "host": other.meta.get("host_name", "") or "host",
+                         # the rank's clock offset, so that every rank's series sits on the aligned clock
+                         "offset_ns": self.offset_ns(other.rank) - self.offset_ns(rt.rank),
                          **self._once(("busy", other.rank), lambda o=other, w=w: timeseries.gpu_busy_over_time(
                              o, w["start_ns"], w["end_ns"], 200))})
         hw = timeseries.load_hw(rt)
@@ -123,7 +143,8 @@ class CaptureData:
         if hw is not None:
             for (dev, metric), (ts, v) in hw.series.items():
                 if metric in HW_CPU:
-                    hw_series.setdefault(metric, []).append({"device": dev, "ts": ts.tolist(), "value": v.tolist()})
+                    hw_series.setdefault(metric, []).append({"device": dev, "unit": HW_CPU[metric],
+                                                             "ts": ts.tolist(), "value": v.tolist()})
         # NVML utilisation of every rank's GPU (each rank samples its own), so the panel shows every GPU
         gpu_hw = []
         for other in self.capture.ranks:
@@ -131,6 +152,7 @@ class CaptureData:
             for (dev, metric), (ts, v) in sorted(ohw.series.items()) if ohw is not None else ():
                 if metric == HW_GPU_UTIL:
                     gpu_hw.append({"rank": other.rank, "host": other.meta.get("host_name", "") or "host", "device": dev,
+                                   "offset_ns": self.offset_ns(other.rank) - self.offset_ns(rt.rank),
                                    "ts": ts.tolist(), "value": v.tolist()})
         return {
             "rank": rt.rank, "device": rr["device"], "host": rr["host"], "step_source": rr["step_source"],
@@ -146,12 +168,17 @@ class CaptureData:
                    "cpu": [dict(x, metric=m) for m in HW_CPU for x in hw_series.get(m, [])],
                    "cpu_active": timeseries.cpu_active_idle(hw, rr["window"]["start_ns"], rr["window"]["end_ns"])},
             "kernels": {"total_us": act["kernels"]["time_us"], "launches": act["kernels"]["count"],
-                        "distinct": len(stats), "top": [asdict(x) for x in stats[:k]], "k": k},
+                        "distinct": len(stats), "k": k,
+                        "by_time": _top(top_with_other(stats, k, "total_us")),
+                        "by_calls": _top(top_with_other(stats, k, "calls"))},
             "step_hist": timeseries.histogram([st["duration_us"] for st in rr["steps"]], bins=10),
             "steps": [{"step": st["step"], "duration_us": st["duration_us"]} for st in rr["steps"]],
-            "precision_us": rr["kernels"].get("precision_us", {}),
+            "precision_us": rr["kernels"].get("kernel_precision_us", {}),
+            "precision_source_us": rr["kernels"].get("kernel_precision_source_us", {}),
+            "flops": {key: (rr.get("flops") or {}).get(key) for key in
+                      ("source", "total_flops", "tflops_per_s", "mfu_pct", "precision", "peak_tflops")},
             "activity": act,
-            "memops": timeseries.memop_distribution(rt),
+            "memops": memops,
             "annotations": timeseries.annotation_names(rt)[:200],
         }
 
@@ -222,18 +249,21 @@ class CaptureData:
                 "symptoms": [s for s in rep["symptoms"] if s["code"] in ("WAITING_RANK", "EXPOSED_COMM")]}
 
     # ------------------------------------------------------------------ timeline
+    # Times in and out are UI times: ns on the aligned clock after origin() (see shift()).
     def lanes(self, r: int) -> dict:
         rt = self.rank(r)
         tl = self.index(rt)
-        o = self.origin()
-        counters = [{"id": f"mem:{k}", "name": f"GPU memory {k}", "unit": "bytes"}
+        sh = self.shift(rt.rank)
+        counters = [{"id": f"mem:{k}", "name": f"GPU memory {k}", "unit": "bytes", "device": "gpu"}
                     for k in timeseries.memory_counters(rt)]
         hw = timeseries.load_hw(rt)
         if hw is not None:
-            counters += [{"id": f"hw:{d}:{m}", "name": f"{d} {m}", "unit": "bytes" if m.endswith("_bytes") else ""}
-                         for d, m in sorted(hw.series)]
-        return {"rank": rt.rank, "origin_ns": o, "start": tl.start_ns - o, "end": tl.end_ns - o,
+            counters += [{"id": f"hw:{d}:{m}", "name": f"{d} {m}", "device": d,
+                          "unit": "bytes" if m.endswith("_bytes") else ""} for d, m in sorted(hw.series)]
+        return {"rank": rt.rank, "origin_ns": self.origin(), "offset_ns": self.offset_ns(rt.rank),
+                "start": tl.start_ns + sh, "end": tl.end_ns + sh, "host": rt.meta.get("host_name", "") or "",
                 "events": tl.events, "lanes": timeline.lanes_info(tl), "counters": counters,
+                "processes": {str(k): v for k, v in tl.processes.items()},
                 "hw": hw.path if hw else None, "sources": list(timeline.SOURCES)}
 
     def window(self, r: int, t0: float, t1: float, px: int, lanes: list[int] | None = None) -> dict:
@@ -241,27 +271,33 @@ class CaptureData:
         if not (np.isfinite(t0) and np.isfinite(t1)) or t1 <= t0:
             raise BadRequest("need t0 < t1")
         px = _clamp(px, 1, timeline.MAX_PX, "px")
-        o = self.origin()
-        return timeline.window(self.index(rt), int(t0) + o, int(t1) + o, px, lanes, origin=o)
+        sh = self.shift(rt.rank)
+        return timeline.window(self.index(rt), int(t0) - sh, int(t1) - sh, px, lanes, origin=-sh)
 
     def counters(self, r: int, t0: float, t1: float, px: int) -> dict:
         rt = self.rank(r)
         if t1 <= t0:
             raise BadRequest("need t0 < t1")
         px = _clamp(px, 1, timeline.MAX_PX, "px")
-        o = self.origin()
-        a, b = int(t0) + o, int(t1) + o
+        sh = self.shift(rt.rank)
+        a, b = int(t0) - sh, int(t1) - sh
         out = {}
         for k, (ts, v) in timeseries.memory_counters(rt).items():
             d = timeseries.downsample(ts, v, a, b, px)
-            out[f"mem:{k}"] = {"ts": [t - o for t in d["ts"]], "value": d["value"], "before": d["before"]}
+            out[f"mem:{k}"] = {"ts": [t + sh for t in d["ts"]], "value": d["value"], "before": d["before"]}
         hw = timeseries.load_hw(rt)
         if hw is not None:
             for (dev, m), (ts, v) in hw.series.items():
                 d = timeseries.downsample(ts, v, a, b, px, how="mean")
-                out[f"hw:{dev}:{m}"] = {"ts": [t - o for t in d["ts"]], "value": d["value"], "before": d["before"],
+                out[f"hw:{dev}:{m}"] = {"ts": [t + sh for t in d["ts"]], "value": d["value"], "before": d["before"],
                                         "after": d["after"]}
         return {"counters": out}
+
+    def _ui_ref(self, ref: dict | None, sh: int) -> dict | None:
+        if ref:
+            ref["start"] += sh
+            ref["end"] += sh
+        return ref
 
     def event(self, r: int, source: str, row: int) -> dict:
         rt = self.rank(r)
@@ -272,14 +308,14 @@ class CaptureData:
             raise BadRequest(f"unknown source {source!r} (one of {', '.join(timeline.SOURCES)})") from None
         except IndexError:
             raise BadRequest(f"no row {row} in {source}", 404) from None
-        o = self.origin()
+        sh = self.shift(rt.rank)
         for key in ("ref", "launch", "op"):
-            if d.get(key):
-                d[key]["start"] -= o
-                d[key]["end"] -= o
+            self._ui_ref(d.get(key), sh)
         for x in d.get("launched", []):
-            x["start"] -= o
-            x["end"] -= o
+            self._ui_ref(x, sh)
+        d["rank"] = rt.rank
+        if source in ("kernels", "annotations", "ops") and d.get("ref"):
+            d["collective"] = self._collective_of(rt.rank, d["ref"])
         return d
 
     def search(self, r: int, q: str, limit: int = 100) -> dict:
@@ -287,22 +323,101 @@ class CaptureData:
             raise BadRequest("empty search")
         rt = self.rank(r)
         res = timeline.search(self.index(rt), q.strip(), _clamp(limit, 1, 1000, "limit"))
-        o = self.origin()
+        sh = self.shift(rt.rank)
         for e in res["events"]:
-            e["start"] -= o
-            e["end"] -= o
+            self._ui_ref(e, sh)
         return res
+
+    def next_event(self, r: int, source: str, row: int, direction: int) -> dict:
+        """The next/previous event with the same name (UI times); ``{"event": null}`` when none."""
+        rt = self.rank(r)
+        if source not in timeline.SOURCES:
+            raise BadRequest(f"unknown source {source!r} (one of {', '.join(timeline.SOURCES)})")
+        ev = timeline.next_occurrence(self.index(rt), source, row, 1 if direction >= 0 else -1)
+        return {"event": self._ui_ref(ev, self.shift(rt.rank))}
+
+    def flows(self, r: int, t0: float, t1: float, limit: int = 2000) -> dict:
+        rt = self.rank(r)
+        if not (np.isfinite(t0) and np.isfinite(t1)) or t1 <= t0:
+            raise BadRequest("need t0 < t1")
+        sh = self.shift(rt.rank)
+        return timeline.flows(rt, self.index(rt), int(t0) - sh, int(t1) - sh, _clamp(limit, 1, MAX_FLOWS, "limit"),
+                              origin=-sh)
+
+    def matched(self) -> MatchedCollectives:
+        cross = self.report().get("cross_rank") or {}
+        return self._once("matched", lambda: matched_collectives(
+            self.capture, (cross.get("alignment") or {}).get("offset_us") or {}))
+
+    def collectives(self, t0: float, t1: float, limit: int = 500) -> dict:
+        """Collectives matched across ranks that overlap ``[t0, t1)`` (UI times): per collective its
+        event on every rank that took part, who arrived last and the wait that alone caused."""
+        if not (np.isfinite(t0) and np.isfinite(t1)) or t1 <= t0:
+            raise BadRequest("need t0 < t1")
+        limit = _clamp(limit, 1, MAX_COLLECTIVES, "limit")
+        m = self.matched()
+        o = self.origin()
+        if not m.start.shape[1]:
+            return {"collectives": [], "total": 0, "truncated": False}
+        with np.errstate(invalid="ignore"):
+            lo = np.nanmin(m.start, axis=0) - o
+            hi = np.nanmax(m.end, axis=0) - o
+        cols = np.nonzero((hi > t0) & (lo < t1))[0]
+        cols = cols[np.argsort(lo[cols], kind="stable")]
+        events = self._once("matched_events", lambda: self._collective_events(m))
+        out = []
+        for j in cols[:limit].tolist():
+            parts = []
+            for i, r in enumerate(m.ranks):
+                if m.local_start[i, j] < 0:
+                    continue
+                sh = self.shift(r)
+                ev = events[i][j]
+                parts.append({"rank": r, "start": int(m.local_start[i, j]) + sh, "end": int(m.local_end[i, j]) + sh,
+                              "event": self._ui_ref(dict(ev), sh) if ev else None})
+            out.append({"id": j, "pg": m.pg[j], "sig": m.sig[j], "step": int(m.step[j]),
+                        "last_rank": m.ranks[int(m.last[j])], "caused_us": float(m.caused_ns[j]) / 1000.0,
+                        "ranks": parts})
+        return {"collectives": out, "total": len(cols), "truncated": len(cols) > limit}
+
+    def _collective_events(self, m: MatchedCollectives) -> list[list[dict | None]]:
+        """Per rank and matched collective, its event on the timeline (own clock), found once."""
+        out = []
+        for i, r in enumerate(m.ranks):
+            tl = self.index(self.rank(r))
+            group = "host" if m.side.get(r) == "cpu" else "gpu"
+            out.append([timeline.find_at(tl, group, int(m.local_start[i, j]), int(m.local_end[i, j]))
+                        if m.local_start[i, j] >= 0 else None for j in range(m.start.shape[1])])
+        return out
+
+    def _collective_of(self, r: int, ref: dict) -> dict | None:
+        """The matched collective whose event on rank ``r`` is ``ref`` (UI times), if any."""
+        m = self.matched()
+        if r not in m.ranks or not m.start.shape[1]:
+            return None
+        i = m.ranks.index(r)
+        local = ref["start"] - self.shift(r)
+        hit = np.nonzero(m.local_start[i] == local)[0]
+        if not len(hit):
+            return None
+        res = self.collectives(ref["start"], ref["end"], MAX_COLLECTIVES)
+        return next((c for c in res["collectives"] if c["id"] == int(hit[0])), None)
 
     # ------------------------------------------------------------------ memory
     def memory(self, r: int, px: int = 1200) -> dict:
         rt = self.rank(r)
         rr = self.rank_report(rt.rank)
-        o = self.origin()
+        o = -self.shift(rt.rank)  # UI time = own time - o
         w = rr["window"]
+        px = _clamp(px, 10, 4000, "px")
         series = {}
         for k, (ts, v) in timeseries.memory_counters(rt).items():
-            d = timeseries.downsample(ts, v, int(ts[0]), int(ts[-1]) + 1, _clamp(px, 10, 4000, "px"))
+            d = timeseries.downsample(ts, v, int(ts[0]), int(ts[-1]) + 1, px)
             series[k] = {"ts": [t - o for t in d["ts"]], "value": d["value"]}
+        nvml = timeseries.hw_memory(timeseries.load_hw(rt), w["start_ns"], w["end_ns"] + 1, px)
+        for x in nvml:
+            x["ts"] = [t - o for t in x["ts"]]
+            x["peak_ts"] -= o
         snap = None
         if self.memory_snapshot:
             ma: MemoryAnalysis = self._once(("snap", self.memory_snapshot), lambda: memory_from_snapshot(
@@ -310,9 +425,13 @@ class CaptureData:
             snap = {"file": self.memory_snapshot, **asdict(ma)}
         steps = [{"step": st["step"], "start": st["start_ns"] - o, "end": st["start_ns"] - o + st["duration_us"] * 1000}
                  for st in rr["steps"]]
-        return {"rank": rt.rank, "memory": rr["memory"], "series": series, "snapshot": snap, "steps": steps,
+        return {"rank": rt.rank, "memory": rr["memory"], "series": series, "hw": nvml, "snapshot": snap, "steps": steps,
                 "window": {"start": w["start_ns"] - o, "end": w["end_ns"] - o},
                 "device_memory_bytes": rr["device"].get("memory_bytes")}
+
+
+def _top(t: dict) -> dict:
+    return {"by": t["by"], "top": [asdict(x) for x in t["top"]], "other": t["other"]}
 
 
 def _clamp(v: Any, lo: int, hi: int, name: str) -> int:

@@ -30,7 +30,25 @@ export default async function memory(root, { rank }) {
         markLine: i || m.peak_allocated_bytes == null ? undefined : { symbol: 'none', data: [{ yAxis: m.peak_allocated_bytes, name: 'peak' }], label: { formatter: (p) => 'peak ' + bytes(p.value) } } })),
     });
   } else {
-    root.appendChild(h('<div class="empty" id="no-memory">This trace has no memory events (capture with <code>profile_memory=True</code>), so there is no allocated/reserved curve.</div>'));
+    root.appendChild(h(`<div class="empty" id="no-memory">This trace has no memory events (capture with <code>profile_memory=True</code>, or <code>aiprof run --what memory</code>), so there is no allocated/reserved curve${d.hw.length ? ': the NVML samples below show the GPU\'s used memory' : ''}.</div>`));
+  }
+  // NVML samples of hw.csv (written by `aiprof run/attach --what hw`): the GPU's used memory as the
+  // driver sees it (every process, the CUDA context and the caching allocator's reserve included),
+  // and the host's used memory and this process's RSS
+  if (d.hw.length) {
+    root.appendChild(h(`<div class="kpis small" id="nvml-kpis">${d.hw.map((x) => `<div class="kpi"><b data-series="${esc(x.label)}">${bytes(x.peak_bytes)}</b><span>peak ${esc(x.label)} (${x.device.startsWith('gpu') ? 'NVML' : 'host'}, ${x.samples} samples)</span></div>`).join('')}</div>`));
+    const el = h('<div class="chart" id="c-memory-hw"></div>');
+    root.appendChild(el);
+    chart(el, 'memory-hw', {
+      tooltip: { trigger: 'axis', valueFormatter: bytes }, legend: { top: 0, type: 'scroll' }, grid: { left: 80, right: 20, top: 30, bottom: 40 },
+      xAxis: { type: 'value', name: 'ms', min: Math.floor(d.window.start / 1e6), max: Math.ceil(d.window.end / 1e6), axisLabel: { formatter: (v) => v.toFixed(0) } },
+      yAxis: { type: 'value', axisLabel: { formatter: bytes } },
+      series: d.hw.map((x) => ({ name: `${x.label}${x.device.startsWith('gpu') ? ' (NVML)' : ''}`, type: 'line', step: 'end', showSymbol: false,
+        lineStyle: x.device.startsWith('gpu') ? undefined : { type: 'dashed' },
+        data: x.ts.map((t, j) => [t / 1e6, x.value[j]]) })),
+    });
+  } else {
+    root.appendChild(h('<div class="empty" id="no-nvml">No NVML memory samples: this capture has no <code>hw.csv</code> with <code>mem_used_bytes</code> (capture with <code>aiprof run --what kernels,hw</code>).</div>'));
   }
   const grid = h('<div class="grid"></div>');
   root.appendChild(grid);

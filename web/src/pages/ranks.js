@@ -12,17 +12,24 @@ export default async function ranks(root) {
     <div class="hint">Abnormal workers: the straggler and the ranks waiting for it are those the job's causes name (cross-rank analysis).</div></div>`));
   const el = h(`<div class="chart" id="c-heat" style="height:${Math.max(160, 60 + 40 * d.ranks.length)}px"></div>`);
   root.appendChild(el);
+  // The colour scale spans the values shown (not 0..max: step times of 500 ms that differ by 20 ms
+  // would all be dark); cells and scale in ms.
   const draw = (m) => {
     const data = [];
-    let max = 0;
-    d.ranks.forEach((r, ri) => r.steps.forEach((s) => { data.push([steps.indexOf(s.step), ri, s[m]]); max = Math.max(max, s[m]); }));
+    let lo = Infinity, hi = -Infinity;
+    d.ranks.forEach((r, ri) => r.steps.forEach((s) => { data.push([steps.indexOf(s.step), ri, s[m]]); lo = Math.min(lo, s[m]); hi = Math.max(hi, s[m]); }));
+    if (!data.length) { lo = 0; hi = 1; }
+    if (hi <= lo) { hi = lo + Math.max(1, Math.abs(lo) * 0.01); }
+    const label = METRICS.find((x) => x[0] === m)[1];
     chart(el, 'heat', {
-      tooltip: { formatter: (p) => `rank ${d.ranks[p.value[1]].rank}, step ${steps[p.value[0]]}: ${us(p.value[2])}` },
-      grid: { left: 110, right: 110, top: 10, bottom: 30 },
+      tooltip: { formatter: (p) => `rank ${d.ranks[p.value[1]].rank}, step ${steps[p.value[0]]}: ${label} ${us(p.value[2])}` },
+      grid: { left: 150, right: 130, top: 24, bottom: 30 },
       xAxis: { type: 'category', data: steps.map((s) => `step ${s}`) },
       yAxis: { type: 'category', data: d.ranks.map((r) => `rank ${r.rank}${(d.flags[r.rank] || []).length ? ' ⚠ ' + d.flags[r.rank].join(',') : ''}`), inverse: true },
-      visualMap: { min: 0, max: max || 1, calculable: true, orient: 'vertical', right: 0, top: 'middle', itemHeight: 80, inRange: { color: ['#f7fbff', '#6baed6', '#08306b'] }, formatter: (v) => us(v) },
-      series: [{ type: 'heatmap', data, label: { show: true, formatter: (p) => (p.value[2] / 1000).toFixed(1), fontSize: 10 } }],
+      visualMap: { min: lo, max: hi, calculable: true, orient: 'vertical', right: 10, top: 'middle', itemHeight: 90, precision: 1,
+        inRange: { color: ['#f7fbff', '#6baed6', '#08306b'] }, formatter: (v) => `${(v / 1e3).toFixed(1)} ms` },
+      title: { text: `${label} per rank and step (ms; colour scale from the smallest to the largest value)`, left: 150, top: 0, textStyle: { fontSize: 11, fontWeight: 'normal', color: '#555' } },
+      series: [{ type: 'heatmap', data, label: { show: true, formatter: (p) => `${(p.value[2] / 1000).toFixed(1)} ms`, fontSize: 10 } }],
     });
   };
   const msel = root.querySelector('#metric');

@@ -59,7 +59,8 @@ export default async function steps(root, { rank, go }) {
   const showStep = () => {
     const s = d.steps[+sl.value];
     slider.querySelector('#slider-label').textContent = `step ${s.step}`;
-    const t0 = s.start_ns - (window.__aiprof.state.meta.origin_ns);
+    const meta = window.__aiprof.state.meta; // UI times: the aligned clock after the origin
+    const t0 = s.start_ns + (((meta.clock || {}).offset_ns || {})[rank] || 0) - meta.origin_ns;
     slider.querySelector('#step-detail').innerHTML = `<div class="kpis small">
       <div class="kpi"><b>${us(s.duration_us)}</b><span>duration</span></div>
       ${PARTS.map(([k, n]) => `<div class="kpi"><b>${us(s[k])}</b><span>${n}</span></div>`).join('')}

@@ -3,12 +3,15 @@
 import { TabulatorFull as Tabulator } from 'tabulator-tables';
 import 'tabulator-tables/dist/css/tabulator_simple.min.css';
 import { api } from '../api.js';
-import { esc, us, short, h } from '../fmt.js';
+import { esc, us, short, h, kernelName } from '../fmt.js';
 
 const num = (fmt) => ({ hozAlign: 'right', sorter: 'number', formatter: (c) => fmt(c.getValue()) });
 const usCol = (title, field) => ({ title, field, ...num(us), headerFilter: false, width: 105 });
 const nameCol = { title: 'name', field: 'name', headerFilter: 'input', headerFilterPlaceholder: 'filter…', widthGrow: 4, tooltip: true,
   formatter: (c) => esc(c.getValue()) };
+// kernels: the cleaned name in full (wrapped, never cut), the raw name on hover
+const kernelCol = { ...nameCol, cssClass: 'wrap', variableHeight: true, tooltip: (e, c) => c.getValue(),
+  formatter: (c) => esc(kernelName(c.getValue())) };
 
 export default async function tables(root, { rank }) {
   const [py, ops, ks] = await Promise.all([api('host', { rank, kind: 'python' }), api('host', { rank, kind: 'op' }), api('kernels', { rank })]);
@@ -28,7 +31,7 @@ export default async function tables(root, { rank }) {
   const tPy = new Tabulator(mk('t-python', 'Python functions', py.total, py.rows.length), { ...common, data: py.rows, columns: hostCols, initialSort: [{ column: 'inclusive_us', dir: 'desc' }] });
   const tOps = new Tabulator(mk('t-ops', 'Ops', ops.total, ops.rows.length), { ...common, data: ops.rows, columns: hostCols, initialSort: [{ column: 'inclusive_us', dir: 'desc' }] });
   const tK = new Tabulator(mk('t-kernels', 'Kernels', ks.total, ks.rows.length), { ...common, data: ks.rows, initialSort: [{ column: 'total_us', dir: 'desc' }],
-    columns: [nameCol, { title: 'class', field: 'cls', headerFilter: 'input', width: 110 }, { title: 'calls', field: 'calls', ...num(String), width: 80 },
+    columns: [kernelCol, { title: 'class', field: 'cls', headerFilter: 'input', width: 110 }, { title: 'calls', field: 'calls', ...num(String), width: 80 },
       usCol('total', 'total_us'), usCol('mean', 'mean_us'), usCol('median', 'median_us'), usCol('p95', 'p95_us'),
       { title: 'share', field: 'share_pct', ...num((v) => v.toFixed(1) + ' %'), width: 80 }] });
   window.__aiprof.tables = { python: tPy, ops: tOps, kernels: tK };
