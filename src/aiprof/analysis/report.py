@@ -19,6 +19,7 @@ from aiprof.analysis.kernels import KernelStat, kernel_analysis, kernel_stats
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.ranks import cross_rank
 from aiprof.analysis.runtime import runtime_analysis
+from aiprof.analysis.serving import serving_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.diagnosis import engine as diag_engine
 from aiprof.diagnosis.facts import RankFacts
@@ -49,6 +50,8 @@ class RankReport:
     memory: dict = field(default_factory=dict)  # analysis.memory.MemoryAnalysis
     flops: dict = field(default_factory=dict)  # analysis.flops.FlopsAnalysis
     step_diff: dict | None = None  # analysis.diff.StepDiff: median step vs slowest step
+    step_within: str = ""  # the marker steps the iterations were split from (ProfilerStep), if any
+    serving: dict | None = None  # analysis.serving.ServingAnalysis: inference traces of a language model
 
 
 def _device(rt: RankTrace) -> dict:
@@ -107,6 +110,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
     fa = flops_analysis(rt, steps, precision)
     ma = memory_from_trace(rt, _step_of(steps), top=10)
     sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
+    sv = serving_analysis(rt, steps, breakdown)
     rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
         step_source=steps.source,
@@ -115,8 +119,10 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
         kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
         memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
+        step_within=steps.within, serving=asdict(sv) if sv else None,
     )
     facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes)
+    facts.extra["serving"] = sv  # the serving causes read the iterations' phases and batches
     return rep, facts
 
 
