@@ -81,3 +81,21 @@ def test_iteration_windows_end_runs_at_long_gaps():
     # a window that ends soon after the last unit (its backward pass, its last sampling) keeps it
     s, e = iterations.iteration_windows(u, 0, 1_065_000_000)
     assert e[-1] == 1_065_000_000
+
+
+def test_gpu_only_export_uses_the_kernel_sequence(tmp_path):
+    # the H200 GPT-2 training trace with its host events removed: the kernels' period is the step
+    import gzip
+    import json
+
+    from aiprof.trace.store import open_capture
+    from tests.serving.support import DATA
+
+    with gzip.open(DATA / "gpt2_train_stall.json.gz") as f:
+        doc = json.load(f)
+    steps = find_steps(fixture_rank("gpt2_train_stall.json.gz", tmp_path))
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    p = tmp_path / "gpu_only.json"
+    p.write_text(json.dumps(doc))
+    st = find_steps(open_capture(str(p), show_progress=False).ranks[0])
+    assert st.source.startswith("kernels:") and len(st) == len(steps) == 5

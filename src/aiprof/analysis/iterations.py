@@ -10,7 +10,9 @@ Rules, first that applies (docs/metrics.md, "Steps"):
    recorded with stacks) that runs most, on the thread that runs most Python;
 3. **ops**: the period of the sequence of top-level torch ops on the thread that runs most ops:
    the op whose occurrences cut that sequence into the most regular segments;
-4. **gpu-bursts**: GPU work separated by idle gaps much longer than the usual gap between two
+4. **kernels**: the same period search on the GPU's kernel sequence (a GPU-only export has no
+   host events), each unit timed from the launch of its anchor kernel;
+5. **gpu-bursts**: GPU work separated by idle gaps much longer than the usual gap between two
    kernels, each burst timed from the launch of its first kernel.
 
 An iteration runs from the start of one unit to the start of the next, so a loop's whole time
@@ -64,7 +66,7 @@ class Units:
 
     start: np.ndarray
     end: np.ndarray
-    source: str  # "engine:<function>", "module:<name>", "ops:<op>", "gpu-bursts"
+    source: str  # "engine:<function>", "module:<name>", "ops:<op>", "kernels:<kernel>", "gpu-bursts"
 
     def __len__(self) -> int:
         return len(self.start)
@@ -141,6 +143,46 @@ def module_units(rt: RankTrace) -> Units | None:
     return Units(ts[k], end[k], f"module:{names.labels[best][len(_MODULE_PREFIX):]}")
 
 
+def _period_anchor(code: np.ndarray) -> np.ndarray | None:
+    """Positions of the anchor that cuts the name sequence ``code`` into iterations, or None.
+
+    A candidate anchor is a name whose occurrences cut the sequence into regular segments (see
+    OPS_MIN_*). The coarsest one (fewest occurrences) is a whole iteration or a multiple of it
+    (a name seen every 4th token); a per-layer name also cuts regular segments, but finer ones
+    that do not add up to the iteration (the embedding and the LM head are outside every layer).
+    So the anchor kept is the finest candidate whose usual segment, repeated, makes exactly the
+    coarsest one's; among equal counts the one that comes first starts the iteration."""
+    n = len(code)
+    if n < MIN_UNITS * OPS_MIN_SEGMENT:
+        return None
+    # segment signatures: (length, sum of a random weight per name), from prefix sums
+    rng = np.random.default_rng(0)
+    w = rng.integers(1, 2**40, size=int(code.max()) + 1)
+    pref = np.concatenate([[0], np.cumsum(w[code])])
+    # positions of every name, grouped (one sort), so each candidate costs its own count
+    by_code = np.argsort(code, kind="stable")
+    _, first, counts = np.unique(code[by_code], return_index=True, return_counts=True)
+    regular = []  # (count, first position, positions, usual segment's (length, weight))
+    for k in np.nonzero((counts >= MIN_UNITS) & (n / np.maximum(counts, 1) >= OPS_MIN_SEGMENT))[0]:
+        cnt = int(counts[k])
+        pos = by_code[first[k]:first[k] + cnt]
+        if (pos[-1] - pos[0]) < OPS_MIN_SPAN * n:
+            continue
+        sig = np.stack([np.diff(pos), pref[pos[1:]] - pref[pos[:-1]]])
+        vals, cts = np.unique(sig, axis=1, return_counts=True)
+        if cts.max() < OPS_MIN_REGULAR * sig.shape[1]:
+            continue
+        usual = vals[:, int(np.argmax(cts))]
+        regular.append((cnt, int(pos[0]), pos, (int(usual[0]), int(usual[1]))))
+    if not regular:
+        return None
+    _, _, _, (length, weight) = min(regular, key=lambda r: (r[0], r[1]))
+    tiles = [r for r in regular if length % r[3][0] == 0 and r[3][1] * (length // r[3][0]) == weight]
+    # the shortest usual segment that tiles; of the anchors with it, the one with fewest stray
+    # occurrences (an op also used once in the set-up cuts the same iterations plus one)
+    return min(tiles, key=lambda r: (r[3][0], r[0], r[1]))[2]
+
+
 def op_units(rt: RankTrace) -> Units | None:
     """The period of the top-level op sequence on the thread that runs most ops."""
     ops = rt.ops
@@ -151,42 +193,29 @@ def op_units(rt: RankTrace) -> Units | None:
     ts, end = ops["ts"][sel], (ops["ts"] + ops["dur"])[sel]
     order = np.argsort(ts, kind="stable")
     top = order[_outermost(ts[order], end[order])]
-    code = ops.strings("name").codes[sel][top].astype(np.int64)
-    n = len(code)
-    if n < MIN_UNITS * OPS_MIN_SEGMENT:
+    names = ops.strings("name")
+    pos = _period_anchor(names.codes[sel][top].astype(np.int64))
+    if pos is None:
         return None
-    # segment signatures: (length, sum of a random weight per op name), from prefix sums
-    rng = np.random.default_rng(0)
-    w = rng.integers(1, 2**40, size=int(code.max()) + 1)
-    pref = np.concatenate([[0], np.cumsum(w[code])])
-    # positions of every op name, grouped (one sort), so each candidate costs its own count
-    by_code = np.argsort(code, kind="stable")
-    codes, first, counts = np.unique(code[by_code], return_index=True, return_counts=True)
-    best = None
-    for k in np.argsort(counts, kind="stable"):
-        c, cnt = int(codes[k]), int(counts[k])
-        if best is not None and cnt > best[0][0]:
-            break
-        if cnt < MIN_UNITS or n / cnt < OPS_MIN_SEGMENT:
-            continue
-        pos = by_code[first[k]:first[k] + cnt]
-        if (pos[-1] - pos[0]) < OPS_MIN_SPAN * n:
-            continue
-        seg_len = np.diff(pos)
-        seg_sum = pref[pos[1:]] - pref[pos[:-1]]
-        cts = np.unique(np.stack([seg_len, seg_sum]), axis=1, return_counts=True)[1]
-        if cts.max() < OPS_MIN_REGULAR * len(seg_len):
-            continue
-        # fewest occurrences first (the longest regular period: an iteration, not a layer); among
-        # equal counts the anchor that comes first starts the iteration
-        key = (cnt, int(pos[0]))
-        if best is None or key < best[0]:
-            best = (key, c, pos)
-    if best is None:
+    anchor = names.labels[names.codes[sel][top][pos[0]]]
+    return Units(ts[top][pos], end[top][pos], f"ops:{anchor}")
+
+
+def kernel_units(rt: RankTrace) -> Units | None:
+    """The period of the GPU's kernel sequence (all streams, by start time), each unit timed from
+    the launch of its anchor kernel: for a GPU-only export, which has no host events."""
+    k = rt.kernels
+    if len(k) < MIN_UNITS * OPS_MIN_SEGMENT:
         return None
-    _, c, pos = best
-    t_sorted = ts[top]
-    return Units(t_sorted[pos], end[top][pos], f"ops:{ops.strings('name').labels[c]}")
+    order = np.argsort(k["ts"], kind="stable")
+    names = k.strings("name")
+    pos = _period_anchor(names.codes[order].astype(np.int64))
+    if pos is None:
+        return None
+    start = launch_ts(rt.runtime, k.take(order))[pos]
+    nxt = np.concatenate([start[1:], [start[-1] + 1]])
+    anchor = names.labels[names.codes[order][pos[0]]]
+    return Units(start.astype(np.int64), np.maximum(nxt, start + 1).astype(np.int64), f"kernels:{anchor}")
 
 
 def gpu_burst_units(rt: RankTrace) -> Units | None:
@@ -212,9 +241,10 @@ def gpu_burst_units(rt: RankTrace) -> Units | None:
     return Units(start.astype(np.int64), end.astype(np.int64), "gpu-bursts")
 
 
-def find_units(rt: RankTrace, rules: tuple[str, ...] = ("engine", "module", "ops", "gpu")) -> Units | None:
+def find_units(rt: RankTrace, rules: tuple[str, ...] = ("engine", "module", "ops", "kernels", "gpu")) -> Units | None:
     """The repeating unit by the first rule (of ``rules``) that finds one."""
-    fns = {"engine": engine_units, "module": module_units, "ops": op_units, "gpu": gpu_burst_units}
+    fns = {"engine": engine_units, "module": module_units, "ops": op_units, "kernels": kernel_units,
+           "gpu": gpu_burst_units}
     for r in rules:
         u = fns[r](rt)
         if u is not None and len(u) >= MIN_UNITS:
