@@ -8,8 +8,8 @@ What it does, each phase on its own (an error is recorded in summary.json and th
 
 1. builds a small Llama from a config (random weights: no download), bf16 on the GPU;
 2. a client submits requests of mixed prompt and output lengths to a ContinuousBatchingManager
-   (the first half at once, the rest staggered) and measures tokens/s (generated tokens over the
-   wall time from the first submission to the last completion); the engine's own steps are
+   (the first half at once, the rest staggered) once the engine's loop runs, and measures tokens/s
+   (generated tokens over the wall time from the first submission to the last completion); the engine's own steps are
    counted (manager.current_batch) and, per step, what its scheduler put in the batch (requests
    prefilling / decoding, query tokens): the engine's knowledge of prefill and decode;
 3. unprofiled rounds of the baseline (CUDA graphs off) alternating with the remedies: CUDA graphs
@@ -95,7 +95,10 @@ def build_model(cpu: bool):
         cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                           num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=4096)
         dtype, dev = torch.bfloat16, "cuda"
-    cfg._attn_implementation = "sdpa"
+    try:
+        cfg._attn_implementation = "sdpa"  # continuous batching accepts sdpa; flash is not installed
+    except (AttributeError, ValueError) as exc:
+        log(f"  attention implementation left as is: {exc!r}")
     model = LlamaForCausalLM(cfg).to(device=dev, dtype=dtype).eval()
     return model
 
@@ -190,7 +193,12 @@ def run_client(model, reqs: list[dict], cpu: bool, cuda_graph: bool = False, max
     kwargs = {"generation_config": gc}
     if cbc is not None:
         kwargs["continuous_batching_config"] = cbc
-    mgr = model.init_continuous_batching(**kwargs)
+    try:
+        mgr = model.init_continuous_batching(**kwargs)
+    except TypeError:  # a 5.x without the continuous_batching_config argument
+        for k, v in dataclasses.asdict(cbc).items() if cbc is not None and dataclasses.is_dataclass(cbc) else ():
+            setattr(gc, k, v)
+        mgr = model.init_continuous_batching(generation_config=gc)
     if cuda_graph and hasattr(mgr, "warmup"):
         t = time.perf_counter()
         mgr.warmup()
@@ -221,8 +229,12 @@ def run_client(model, reqs: list[dict], cpu: bool, cuda_graph: bool = False, max
         ready.set()
     STEP_LOG.clear()
     mgr.start()
-    # the profiler's start-up (Kineto, CUPTI) is not serving time: the client waits for it
+    # the engine's start-up (its batch processor and KV cache; under the profiler, Kineto and
+    # CUPTI) is not serving time: the client starts once the engine's loop runs
     ready.wait(timeout=120)
+    limit = time.perf_counter() + 120
+    while getattr(mgr, "batch_processor", None) is None and time.perf_counter() < limit:
+        time.sleep(0.001)
     t0 = time.perf_counter()
     done: dict[str, dict] = {}
     ids = []

@@ -7,7 +7,8 @@ Sources, in order of preference:
 3. a configured entry function (a Python function / annotation / op name): each top-level
    occurrence is a step; it takes precedence over everything else;
 4. otherwise the repeating unit found automatically (analysis/iterations.py: an engine's step
-   function, the top-level module's forwards, the period of the op sequence, GPU bursts);
+   function, the top-level module's forwards, the period of the op or kernel sequence, GPU
+   bursts);
 5. otherwise the whole window is one step.
 
 Inference traces (no backward pass) whose ProfilerSteps each hold several engine steps or
@@ -38,7 +39,7 @@ class Steps:
     start: np.ndarray
     end: np.ndarray
     source: str  # "ProfilerStep", "optimizer", "entry:<name>", "engine:<fn>", "module:<name>", "ops:<op>",
-    # "gpu-bursts", "window" (docs/metrics.md, "Steps")
+    # "kernels:<kernel>", "gpu-bursts", "window" (docs/metrics.md, "Steps")
     within: str = ""  # the marker steps the iterations were split from ("ProfilerStep"), if any
     marker_mean_ns: float = 0.0  # their mean duration: what the agent's per-iteration timings measure
 
