@@ -150,5 +150,13 @@ def test_optimizer_steps_and_entry_and_window(cpu_trace, tmp_path):
     doc["traceEvents"] = [e for e in doc["traceEvents"] if not str(e.get("name", "")).startswith("Optimizer.step")]
     p2 = tmp_path / "bare.json"
     p2.write_text(json.dumps(doc))
+    # no marker at all: the model's forwards repeat, one per iteration (analysis/iterations.py)
     st = find_steps(open_capture(str(p2)).ranks[0])
+    assert st.source == "module:Sequential_0" and len(st) == 6
+    # and with nothing that repeats (one event), the whole window is one step
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") == "M"] + [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10.0, "dur": 5.0, "pid": 1, "tid": 1, "args": {}}]
+    p3 = tmp_path / "one.json"
+    p3.write_text(json.dumps(doc))
+    st = find_steps(open_capture(str(p3)).ranks[0])
     assert st.source == "window" and len(st) == 1

@@ -8,10 +8,12 @@ import ranks from './pages/ranks.js';
 import timeline from './pages/timeline.js';
 import flame from './pages/flame.js';
 import memory from './pages/memory.js';
+import serving from './pages/serving.js';
 
 const PAGES = [
   ['overview', 'Overview', overview], ['steps', 'Steps', steps], ['tables', 'Kernels / ops / Python', (...a) => import('./pages/tables.js').then((m) => m.default(...a))],
   ['ranks', 'Ranks', ranks], ['timeline', 'Timeline', timeline], ['flame', 'Flame graph', flame], ['memory', 'Memory', memory],
+  ['serving', 'Serving', serving],
 ];
 
 const state = { meta: null, rank: 0, cleanup: null };

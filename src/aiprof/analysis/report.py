@@ -24,6 +24,7 @@ from aiprof.analysis.kernels import (
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.ranks import cross_rank
 from aiprof.analysis.runtime import runtime_analysis
+from aiprof.analysis.serving import serving_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.diagnosis import engine as diag_engine
 from aiprof.diagnosis.facts import RankFacts
@@ -60,6 +61,8 @@ class RankReport:
     kernels_by_calls: dict = field(default_factory=dict)  # top kernels by launches + "other"
     activity: dict = field(default_factory=dict)  # GPU time and count of kernels, memcpy, memset
     memops: list = field(default_factory=list)  # per memcpy/memset name: count, bytes, time
+    step_within: str = ""  # the marker steps the iterations were split from (ProfilerStep), if any
+    serving: dict | None = None  # analysis.serving.ServingAnalysis: inference traces of a language model
 
 
 def _device(rt: RankTrace) -> dict:
@@ -119,6 +122,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
     ma = memory_from_trace(rt, _step_of(steps), top=10)
     sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
     stats = kernel_stats(rt)
+    sv = serving_analysis(rt, steps, breakdown)
     rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
         step_source=steps.source,
@@ -130,8 +134,10 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
         kernels_other={**top_with_other(stats, top, "total_us")["other"], "distinct": len(stats)},
         kernels_by_calls=_by_calls(top_with_other(stats, top, "calls")),
         activity=gpu_activity(rt), memops=memop_distribution(rt),
+        step_within=steps.within, serving=asdict(sv) if sv else None,
     )
     facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes)
+    facts.extra["serving"] = sv  # the serving causes read the iterations' phases and batches
     return rep, facts
 
 

@@ -80,6 +80,10 @@ def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree
     n = max(len(steps), 1)
     recorded = float(sum(s.duration_us for s in breakdown)) * NS_PER_US / n if breakdown else 0.0
     un = unprofiled_step_ms(rt)
+    if un and steps.within and steps.marker_mean_ns > 0 and len(steps):
+        # the agent timed its own iterations (the marker steps these were split from): the
+        # unprofiled time of one of these is that, in the recorded proportion
+        un *= float((steps.end - steps.start).mean()) / steps.marker_mean_ns
     outliers = slow_step_mask(completion_us(rt, steps))[sl] if len(steps) else np.zeros(0, dtype=bool)
     scale = calibrate_host(g, un * 1e6, outliers) if un and g.n_actions else (1.0, 1.0)
     base = replay(g)

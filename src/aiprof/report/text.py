@@ -7,6 +7,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from aiprof.report.serving_text import render_serving
+
 _MAX_RANK_DETAIL = 8  # beyond this many ranks, steps tables give way to one row per rank
 
 
@@ -24,7 +26,8 @@ def _has_gpu(rank: dict) -> bool:
 
 
 def _steps_table(rank: dict) -> Table:
-    title = f"Steps (from {rank['step_source']}), times in ms"
+    within = f" within {rank['step_within']}" if rank.get("step_within") else ""
+    title = f"Steps (from {rank['step_source']}{within}), times in ms"
     t = Table(title=title, title_justify="left", show_edge=False, min_width=len(title))
     if not _has_gpu(rank):
         for col in ("step", "duration", "data loading"):
@@ -141,6 +144,7 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
                           f"compute {_ms(s['compute_us'])} · exposed comm {_ms(s['communication_us'])} · "
                           f"memory {_ms(s['memory_us'])} · idle {_ms(s['idle_us'])} ms")
         console.print(_steps_table(r))
+        render_serving(console, r)
         if r["top_kernels"]:
             console.print(_kernels_table(r))
         render_diagnosis(console, r)

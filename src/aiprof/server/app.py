@@ -101,6 +101,7 @@ def create_app(data: CaptureData) -> Starlette:
         Route("/api/overview", api(lambda q: data.overview(rank(q), _arg(q, "k", int, 15)))),
         Route("/api/annotation", api(lambda q: data.annotation_hist(rank(q), _arg(q, "name"), _arg(q, "bins", int, 20)))),
         Route("/api/steps", api(lambda q: data.steps(rank(q)))),
+        Route("/api/serving", api(lambda q: data.serving(rank(q)))),
         Route("/api/diff", api(lambda q: data.diff(rank(q), _arg(q, "base", int), _arg(q, "compare", int)))),
         Route("/api/kernels", api(lambda q: data.kernels(rank(q), _arg(q, "limit", int, 5000)))),
         Route("/api/host", api(lambda q: data.host_table(rank(q), _arg(q, "kind"), _arg(q, "limit", int, 5000)))),

@@ -194,6 +194,12 @@ class CaptureData:
         return {"rank": rr["rank"], "step_source": rr["step_source"], "steps": rr["steps"],
                 "default_diff": rr.get("step_diff")}
 
+    def serving(self, r: int) -> dict:
+        """The rank's serving section (analysis/serving.py; null for training traces)."""
+        rr = self.rank_report(self.rank(r).rank)
+        return {"rank": rr["rank"], "step_source": rr["step_source"], "step_within": rr.get("step_within", ""),
+                "serving": rr.get("serving")}
+
     def diff(self, r: int, base: int, compare: int) -> dict:
         rt = self.rank(r)
         try:

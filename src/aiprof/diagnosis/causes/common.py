@@ -5,7 +5,7 @@ import re
 
 import numpy as np
 
-from aiprof.analysis.hotspots import OP, PYTHON, is_library_frame
+from aiprof.analysis.hotspots import OP, PYTHON, RUNTIME, is_library_frame
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import GPU_IDLE, Claim
 
@@ -106,3 +106,19 @@ def offload_edit(f: RankFacts, nodes: np.ndarray, code: str, workers: int = 1):
     work = u.covered(np.array([g.lo]), np.array([g.hi]))[0] * scale / max(len(f.steps), 1)
     e.min_step_ns = work / max(workers, 1)
     return e, work
+
+
+def torch_work_below(f: RankFacts) -> np.ndarray:
+    """Mask of tree nodes that contain torch work (an op or a CUDA call) anywhere below them."""
+    tree = f.tree
+    has_work = np.zeros(len(tree), dtype=bool)
+    cur = np.nonzero((tree.kind == OP) | (tree.kind == RUNTIME))[0]
+    seen = np.zeros(len(tree), dtype=bool)
+    while len(cur):
+        p = tree.parent[cur]
+        p = p[(p >= 0)]
+        p = p[~seen[p]]
+        seen[p] = True
+        has_work[p] = True
+        cur = p
+    return has_work

@@ -35,6 +35,9 @@ MAX_SUGGESTED_WORKERS = 8
 # steps to tell a typical step from an atypical one).
 STALL_RATIO = 3.0
 STALL_MIN_STEPS = 3
+# ...and at least this much longer than the median step's loading: a few hundred µs of jitter on
+# a loaded host is no stall (the same floor as a slow step's, symptoms.SLOW_STEP_MIN_US).
+STALL_MIN_NS = 5_000_000
 _SINGLE = ("_SingleProcessDataLoaderIter", "_utils/fetch.py")
 _TORCH_DATA = ("torch/utils/data/", "enumerate(DataLoader)", "DataLoader")
 _MULTI = ("_MultiProcessingDataLoaderIter", "dataloader.py(1452): _get_data", "_try_get_data")
@@ -62,8 +65,8 @@ def detect(f: RankFacts) -> list[Cause]:
     u = f.union_of_nodes(roots)
     per_step = u.covered(f.steps.start, f.steps.end).astype(float) if len(f.steps) else np.zeros(0)
     med = float(np.median(per_step)) if len(per_step) else 0.0
-    stall = [int(n) for n, v in zip(f.steps.number, per_step) if v >= STALL_RATIO * max(med, 1.0) and v > 0] \
-        if len(per_step) >= STALL_MIN_STEPS else []
+    stall = [int(n) for n, v in zip(f.steps.number, per_step)
+             if v >= STALL_RATIO * max(med, 1.0) and v - med >= STALL_MIN_NS] if len(per_step) >= STALL_MIN_STEPS else []
     node = biggest_node(f, roots)
     site, stack = site_and_stack(f, node)
     deepest = np.nonzero(region & (f.tree.depth == f.tree.depth[region].max()))[0] if region.any() else []

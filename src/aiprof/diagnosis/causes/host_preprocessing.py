@@ -15,19 +15,14 @@ import math
 
 import numpy as np
 
-from aiprof.analysis.hotspots import (
-    OP,
-    PYTHON,
-    RUNTIME,
-    is_data_loading,
-    is_library_frame,
-)
+from aiprof.analysis.hotspots import PYTHON, is_data_loading, is_library_frame
 from aiprof.diagnosis.causes.common import (
     idle_claim,
     ms,
     offload_edit,
     outermost,
     site_and_stack,
+    torch_work_below,
 )
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
@@ -47,17 +42,7 @@ def detect(f: RankFacts) -> list[Cause]:
         return []
     tree = f.tree
     py = tree.kind == PYTHON
-    # nodes that contain torch work (an op or a CUDA call) anywhere below them
-    has_work = np.zeros(len(tree), dtype=bool)
-    cur = np.nonzero((tree.kind == OP) | (tree.kind == RUNTIME))[0]
-    seen = np.zeros(len(tree), dtype=bool)
-    while len(cur):
-        p = tree.parent[cur]
-        p = p[(p >= 0)]
-        p = p[~seen[p]]
-        seen[p] = True
-        has_work[p] = True
-        cur = p
+    has_work = torch_work_below(f)
     parent = tree.parent
     user = f.node_mask(lambda s: not is_library_frame(s) and "(" in s and not s.startswith("<"), (PYTHON,))
     from_user = np.zeros(len(tree), dtype=bool)

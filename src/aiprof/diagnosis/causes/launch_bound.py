@@ -28,28 +28,49 @@ GRAPH_KERNEL_GAP_NS = 260.0
 _GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_tensor.py", "torch/functional.py")
 
 
+def graph_fix(f: RankFacts, code: str, claimed: np.ndarray, within: np.ndarray | None = None,
+              actions: np.ndarray | None = None):
+    """The CUDA-graph fix of the graphable host region outside ``claimed`` (restricted to the
+    nodes ``within`` and the replay ``actions`` when given): its dispatch, module Python and
+    launch costs removed and its kernels replayed back to back. Returns (edit, launch-action
+    mask, region nodes, claims), or None when the region launches nothing or idles no GPU."""
+    g = f.graph
+    ops = f.tree.kind == OP if len(f.tree) else np.zeros(0, dtype=bool)
+    graphable = (ops | f.node_mask(lambda s: s.startswith(_GRAPHABLE_FRAMES), (PYTHON,))) & ~claimed
+    if within is not None:
+        graphable &= within
+    if not graphable.any():
+        return None
+    region = f.under(graphable) & ~claimed
+    if within is not None:
+        region &= within
+    acts = f.actions_in(region) & (g.a_kind == LAUNCH) & (g.a_wait < 0)
+    if actions is not None:
+        acts &= actions
+    if not acts.any():
+        return None
+    e = f.edit(code)
+    e.cost_remove[acts] = g.cost[acts]
+    gap = np.where(f.actions_in(claimed), 0.0, f.gap_time_in(f.union_of_nodes(graphable & ~f.under(claimed))))
+    e.gap_remove += gap if actions is None else np.where(actions, gap, 0.0)
+    e.packed[acts[g.o_action]] = True
+    e.packed_gap_ns = GRAPH_KERNEL_GAP_NS
+    claims = idle_claim(f, region)
+    if not claims:
+        return None
+    return e, acts, region, claims
+
+
 def detect(f: RankFacts) -> list[Cause]:
     g = f.graph
     if not f.has_gpu or not g.n_ops:
         return []
     claimed = f.extra.get("claimed_nodes")
     claimed = claimed if claimed is not None and len(claimed) == len(f.tree) else np.zeros(len(f.tree), dtype=bool)
-    ops = f.tree.kind == OP if len(f.tree) else np.zeros(0, dtype=bool)
-    graphable = (ops | f.node_mask(lambda s: s.startswith(_GRAPHABLE_FRAMES), (PYTHON,))) & ~claimed
-    if not graphable.any():
+    fix = graph_fix(f, CODE, claimed)
+    if fix is None:
         return []
-    region = f.under(graphable) & ~claimed
-    acts = f.actions_in(region) & (g.a_kind == LAUNCH) & (g.a_wait < 0)
-    if not acts.any():
-        return []
-    e = f.edit(CODE)
-    e.cost_remove[acts] = g.cost[acts]
-    e.gap_remove += np.where(f.actions_in(claimed), 0.0, f.gap_time_in(f.union_of_nodes(graphable & ~f.under(claimed))))
-    e.packed[acts[g.o_action]] = True
-    e.packed_gap_ns = GRAPH_KERNEL_GAP_NS
-    claims = idle_claim(f, region)
-    if not claims:
-        return []
+    e, acts, _, claims = fix
     per = max(len(f.steps), 1)
     n_launch = int(acts.sum())
     kd = g.o_dur[acts[g.o_action]]
