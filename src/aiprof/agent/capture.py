@@ -11,16 +11,17 @@ main thread through a pending call for time-based captures: never from the agent
 Each recorded iteration is wrapped in a ``ProfilerStep#<k>`` record_function, ``k`` being the
 job's own iteration number, so all ranks of a job name the same iteration the same way.
 
-Export (Kineto JSON, gzip, hw.csv, meta.json) runs on a background thread; meta.json is
-written last, so its presence means the capture is complete.
+Export runs off the training thread: the trace (Kineto JSON, gzipped) in a forked child
+(agent/traceout.py: Kineto's writer and the release of the results hold the GIL), hw.csv and
+meta.json on a background thread; meta.json is written last, so its presence means the capture
+is complete. The training thread pays only ``stop_trace`` (Kineto's own post-processing), timed
+in meta.json's ``export.stop_ms``.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import platform
-import re
 import socket
 import sys
 import threading
@@ -61,29 +62,6 @@ def rank_info() -> dict[str, int | None]:
         world = env_int("WORLD_SIZE")
     return {"rank": rank if rank is not None else 0, "world_size": world if world is not None else 1,
             "local_rank": env_int("LOCAL_RANK")}
-
-
-def find_marker_ts(path: str, name: str = CLOCK_MARKER, limit_bytes: int = 1 << 30) -> float | None:
-    """The ``ts`` of the first event named ``name`` in a Kineto JSON file, scanning as text.
-
-    Parsing the whole trace would cost the job memory and GIL time; the event is small and
-    Kineto writes ``name`` before ``ts`` inside one event object.
-    """
-    pat = re.compile(rb'"name":\s*"' + re.escape(name.encode()) + rb'"[^{}]*?"ts":\s*([0-9.eE+-]+)')
-    tail = b""
-    read = 0
-    with open(path, "rb") as f:
-        while read < limit_bytes:
-            chunk = f.read(1 << 22)
-            if not chunk:
-                break
-            read += len(chunk)
-            buf = tail + chunk
-            m = pat.search(buf)
-            if m:
-                return float(m.group(1))
-            tail = buf[-4096:]
-    return None
 
 
 class CaptureDriver:
@@ -358,7 +336,9 @@ class CaptureDriver:
                 rf.__exit__(None, None, None)
             if self.sampler is not None:
                 self.sampler._stop.set()  # joined by the exporter, not here
+            t0 = time.perf_counter()
             self.prof.stop_trace()
+            self.info["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         except Exception as exc:
             self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
         self.during_ms = self.agent.tracker.recent_ms(len(self.steps)) if self.steps else []
@@ -383,24 +363,20 @@ class CaptureDriver:
             d = self.out_dir()
             os.makedirs(d, exist_ok=True)
             result["dir"] = d
-            raw = os.path.join(d, "trace.json.tmp")
-            gz = os.path.join(d, "trace.json.gz")
             trace_bytes = 0
             if self.prof is not None:
-                self.prof.export_chrome_trace(raw)
-                self.prof = None  # free the in-memory results early
-                trace_bytes = os.path.getsize(raw)
-                self._clock_offset(raw)
-                cap = req.max_trace_mb << 20
-                with open(raw, "rb") as src, gzip.open(gz, "wb", compresslevel=3) as dst:
-                    while True:
-                        chunk = src.read(1 << 22)
-                        if not chunk:
-                            break
-                        dst.write(chunk)
-                        if dst.fileobj is not None and dst.fileobj.tell() > cap:  # type: ignore[union-attr]
-                            raise RuntimeError(f"trace exceeds --max-trace-mb {req.max_trace_mb}")
-                os.unlink(raw)
+                from aiprof.agent.traceout import release_results, write_trace
+
+                try:
+                    out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER)
+                finally:
+                    t0 = time.perf_counter()
+                    release_results(self.prof)  # holds the GIL as long as it takes: timed, for the record
+                    self.prof = None
+                    release_ms = round((time.perf_counter() - t0) * 1e3, 3)
+                trace_bytes = out.pop("trace_bytes")
+                self._clock_offset(out.pop("marker_ts"))
+                self.info["export"] = {**out, "release_ms": release_ms}
             hw_rows = 0
             hw_notes: list[str] = []
             hw_sources: list[str] = []
@@ -420,9 +396,10 @@ class CaptureDriver:
             result["ok"] = True
             result["steps"] = meta["steps"]["captured"]
         except Exception as exc:
-            result["error"] = f"export failed: {type(exc).__name__}: {exc}"
-            log.error("capture export", exc)
-            for leftover in ("trace.json.tmp", "trace.json.gz"):
+            self.prof = None
+            why = str(exc) if type(exc).__name__ == "ExportError" else f"{type(exc).__name__}: {exc}"
+            result["error"] = f"export failed: {why}"
+            for leftover in ("trace.json.tmp", "trace.json.gz", "hw.csv", "meta.json.tmp"):
                 try:
                     if result["dir"] and not result.get("ok"):
                         os.unlink(os.path.join(result["dir"], leftover))
@@ -433,10 +410,9 @@ class CaptureDriver:
             self.captures_done += 1
         self._finish(result)
 
-    def _clock_offset(self, raw: str) -> None:
-        """Find the marker's ts in the trace and record trace_ts - unix_us in self.clock."""
+    def _clock_offset(self, ts: float | None) -> None:
+        """Record trace_ts - unix_us in self.clock from the marker's ts in the trace."""
         try:
-            ts = find_marker_ts(raw)
             if ts is None:
                 self.errors.append("clock marker not found in trace")
                 return
@@ -521,6 +497,8 @@ class CaptureDriver:
             "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None},
             "trace_json_bytes": trace_bytes,
             "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms},
+            # what the end of the capture cost: stop_ms on the training thread, the rest off it
+            "export": {"stop_ms": self.info.get("stop_ms"), **(self.info.get("export") or {})},
             "errors": self.errors,
         }
 
