@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from aiprof.agent import log
+from aiprof.agent import log, profguard
 from aiprof.agent.config import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
@@ -99,6 +99,7 @@ class CaptureDriver:
         self.during_ms: list[float] = []
         self.errors: list[str] = []
         self.export_thread: threading.Thread | None = None
+        self.prof_thread: int | None = None  # the thread that prepared or started self.prof
 
     # -- control side (agent threads) ---------------------------------------------------------
     def submit(self, req: CaptureRequest, on_done: DoneCallback | None = None) -> str | None:
@@ -178,6 +179,29 @@ class CaptureDriver:
             self._stop()
         finally:
             self.pending_main = None
+
+    def yield_to_job(self) -> None:
+        """The job is about to prepare or start its own profiler (agent/profguard.py): drop this
+        capture first if it holds the profiler, so that the job's runs alone."""
+        if not (self.state is RECORDING or (self.state is ARMED and self.prepared)):
+            return
+        why = "the job started its own torch.profiler; this capture was dropped so that the job's runs alone"
+        if self.prof_thread != threading.get_ident():
+            log.warn_once("yield-thread", f"{why.split(';')[0]} on another thread; the agent cannot stop its own "
+                                          "capture from there")
+            return
+        rf, self.step_rf = self.step_rf, None
+        try:
+            if rf is not None:
+                rf.__exit__(None, None, None)
+            if self.state is RECORDING and self.prof is not None:
+                with profguard.own():
+                    self.prof.stop_trace()
+        except Exception as exc:
+            self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
+        self.prof = None
+        self.pending_main = None
+        self._fail(why)
 
     def _fail(self, why: str) -> None:
         if self.sampler is not None:
@@ -271,11 +295,17 @@ class CaptureDriver:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
 
     def _prepare(self) -> None:
+        why = profguard.busy()
+        if why:
+            self._fail(why)
+            return
         try:
             self._start_sampler(self._gpu_uuids())
             self.prof = self._make_profiler()
-            self.prof.prepare_trace()
+            with profguard.own():
+                self.prof.prepare_trace()
             self.prepared = True
+            self.prof_thread = threading.get_ident()
         except Exception as exc:
             self.prof = None
             self._fail(f"profiler prepare failed: {type(exc).__name__}: {exc}")
@@ -283,6 +313,11 @@ class CaptureDriver:
     def _start(self, k: int | None, mode: str) -> None:
         req = self.req
         assert req is not None
+        why = profguard.busy()
+        if why:
+            self.prof = None
+            self._fail(why)
+            return
         try:
             self.mode = mode
             tracker = self.agent.tracker
@@ -292,10 +327,12 @@ class CaptureDriver:
             gpus = self._gpu_uuids()
             if self.sampler is None:  # start sampling just before recording (setup is slow)
                 self._start_sampler(gpus)
-            if self.prof is None:
-                self.prof = self._make_profiler()
-                self.prof.prepare_trace()
-            self.prof.start_trace()
+            with profguard.own():
+                if self.prof is None:
+                    self.prof = self._make_profiler()
+                    self.prof.prepare_trace()
+                self.prof.start_trace()
+            self.prof_thread = threading.get_ident()
             from torch.autograd.profiler import record_function
 
             t0 = time.time_ns()
@@ -337,7 +374,8 @@ class CaptureDriver:
             if self.sampler is not None:
                 self.sampler._stop.set()  # joined by the exporter, not here
             t0 = time.perf_counter()
-            self.prof.stop_trace()
+            with profguard.own():
+                self.prof.stop_trace()
             self.info["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         except Exception as exc:
             self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
