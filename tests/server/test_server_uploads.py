@@ -119,12 +119,15 @@ def test_upload_resumes_after_a_crash_from_the_fsynced_bytes_not_from_0(tmp_path
     sha, size = file_sha256(str(src))
     body = src.read_bytes()
     sent = 2 * DURABLE_EVERY + 4321  # two fsync points passed, the third not reached
-    sock = _start_put(srv, "crash", "trace.json.gz", size, sha)
-    sock.sendall(body[:sent])
-    _wait(lambda: _durable_bytes(srv, "crash", "trace.json.gz") == 2 * DURABLE_EVERY, "the second fsync point")
-    srv.proc.kill()  # a crash: no chance to sync what came after
-    srv.proc.wait(10)
-    sock.close()
+    try:
+        sock = _start_put(srv, "crash", "trace.json.gz", size, sha)
+        sock.sendall(body[:sent])
+        _wait(lambda: _durable_bytes(srv, "crash", "trace.json.gz") == 2 * DURABLE_EVERY, "the second fsync point")
+        srv.proc.kill()  # a crash: no chance to sync what came after
+        srv.proc.wait(10)
+        sock.close()
+    finally:
+        srv.stop()
     part = data / "captures" / "crash" / "rank0" / ".uploads" / "trace.json.gz.part"
     # what a power cut may leave past the last fsync: a tail of the right length with the wrong bytes
     with open(part, "r+b") as f:
@@ -149,13 +152,15 @@ def test_a_broken_connection_keeps_every_byte_that_arrived_across_a_restart(tmp_
     src = _blob(tmp_path / "hw.csv", DURABLE_EVERY // 2)
     sha, size = file_sha256(str(src))
     body = src.read_bytes()
-    sock = _start_put(srv, "drop", "hw.csv", size, sha)
-    sock.sendall(body[:300_000])
-    sock.close()  # the uploader died: the server syncs what it got
-    _wait(lambda: _durable_bytes(srv, "drop", "hw.csv") > 0, "the sync at disconnect")
-    held = _durable_bytes(srv, "drop", "hw.csv")
-    assert 0 < held <= 300_000
-    srv.stop()
+    try:
+        sock = _start_put(srv, "drop", "hw.csv", size, sha)
+        sock.sendall(body[:300_000])
+        sock.close()  # the uploader died: the server syncs what it got
+        _wait(lambda: _durable_bytes(srv, "drop", "hw.csv") > 0, "the sync at disconnect")
+        held = _durable_bytes(srv, "drop", "hw.csv")
+        assert 0 < held <= 300_000
+    finally:
+        srv.stop()
     srv2 = start_server(data, port)
     try:
         c = srv2.client()
