@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 from capsupport import PY, SCRIPTS, env_with, load_meta, load_trace, profiler_steps, rank_dirs, wait_for
 
+from aiprof.agent.traceout import FORK_ENV, choose_fork
+
 GATED = SCRIPTS / "gated_train.py"
 
 
 def _run(rt: str, out: Path, *job: str, capture: tuple[str, ...] = ("--skip", "2", "--iterations", "2"),
-         preexec=None, timeout: float = 180) -> subprocess.CompletedProcess:
+         preexec=None, timeout: float = 180, fork: str = "auto") -> subprocess.CompletedProcess:
     return subprocess.run([PY, "-m", "aiprof", "run", *capture, "--out", str(out), "--capture-id", "c", "--",
                            PY, str(GATED), *job], capture_output=True, text=True, timeout=timeout,
-                          env=env_with(rt), preexec_fn=preexec, check=False)
+                          env=env_with(rt, **{FORK_ENV: fork}), preexec_fn=preexec, check=False)
 
 
 def _steps(stdout: str) -> list[int]:
@@ -69,7 +71,8 @@ def test_output_folder_not_writable(rt, tmp_path):
         ro.chmod(0o700)
 
 
-def test_disk_full_while_writing_the_trace(rt, tmp_path):
+@pytest.mark.parametrize("fork", ["0", "1"], ids=["thread", "fork"])
+def test_disk_full_while_writing_the_trace(rt, tmp_path, fork):
     """A 256 KiB file size limit (what a full disk looks like to the writer: the trace of a few
     steps is megabytes): Kineto's writer stops silently; the agent notices, keeps nothing."""
     limit = 256 << 10
@@ -79,7 +82,7 @@ def test_disk_full_while_writing_the_trace(rt, tmp_path):
 
     out = tmp_path / "caps"
     res = _run(rt, out, "--steps", "8", capture=("--skip", "2", "--iterations", "3", "--what", "kernels,python"),
-               preexec=small_files)
+               preexec=small_files, fork=fork)
     _job_finished(res, 8)
     (line,) = [ln for ln in _agent_lines(res.stderr) if "capture failed" in ln]
     assert "could not write the whole trace JSON (disk full or a file size limit?)" in line, line
@@ -136,7 +139,8 @@ def test_sigterm_during_a_capture_ends_the_job_as_without_the_agent(rt, tmp_path
     assert "Traceback" not in r_err and rank_dirs(out) == []
 
 
-def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path):
+@pytest.mark.parametrize("fork", ["0", "1"], ids=["thread", "fork"])
+def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path, fork):
     """A job that ends cleanly on SIGTERM exits 0 as without the agent; the agent stops its
     capture at exit and writes it whole, noting why it is short."""
     out = tmp_path / "caps"
@@ -144,7 +148,7 @@ def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path):
     run = subprocess.Popen([PY, "-m", "aiprof", "run", "--skip", "3", "--iterations", "10", "--out", str(out),
                             "--capture-id", "c", "--", PY, str(GATED), "--steps", "20", "--graceful-sigterm",
                             "--gate", f"6:{gate}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt))
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt, **{FORK_ENV: fork}))
     try:
         wait_for(Path(f"{gate}.waiting").exists, 60, "the job held before step 6")
         run.send_signal(signal.SIGTERM)
@@ -173,7 +177,7 @@ def test_the_trace_is_written_by_a_child_process_while_the_job_runs_on(rt, tmp_p
     gate = tmp_path / "gate"
     run = subprocess.Popen([PY, "-m", "aiprof", "run", "--skip", "2", "--iterations", "2", "--out", str(out),
                             "--capture-id", "c", "--", PY, str(GATED), "--steps", "12", "--gate", f"9:{gate}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt))
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt, **{FORK_ENV: "1"}))
     try:
         waiting = Path(f"{gate}.waiting")
         wait_for(waiting.exists, 90, "the job held before step 9, five steps after the capture stopped")
@@ -195,7 +199,7 @@ def test_the_trace_is_written_by_a_child_process_while_the_job_runs_on(rt, tmp_p
     trace = load_trace(tmp_path)
     assert profiler_steps(trace) == [2, 3]
     meta = load_meta(rank)
-    assert meta["export"]["how"] == "fork" and meta["export"]["pid"] in writers
+    assert meta["export"]["how"] == "fork" and meta["export"]["pid"] in writers and meta["export"]["fork_ms"] > 0
     assert meta["export"]["pid"] != meta["pid"] and meta["trace_json_bytes"] > 0
 
 
@@ -210,7 +214,7 @@ def test_the_agent_survives_the_trace_writer_dying(rt, tmp_path):
     run = subprocess.Popen([PY, "-m", "aiprof", "run", "--skip", "2", "--iterations", "2", "--out", str(out),
                             "--capture-id", "c", "--", PY, str(GATED), "--steps", "80", "--gate", f"7:{gate}",
                             "--gate", f"75:{gate2}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt))
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt, **{FORK_ENV: "1"}))
     try:
         wait_for(Path(f"{gate}.waiting").exists, 90, "the job held before step 7")
         job_pid = int(Path(f"{gate}.waiting").read_text())
@@ -240,3 +244,13 @@ def test_the_agent_survives_the_trace_writer_dying(rt, tmp_path):
     assert trig.returncode == 0, t_out + t_err
     (d,) = rank_dirs(out, "c2")
     assert len(profiler_steps(load_trace(d))) == 2
+
+
+def test_the_writer_is_chosen_by_the_size_of_the_trace():
+    """auto: fork only for a trace whose stop_trace took long (the save costs about as much)."""
+    assert choose_fork(1e9, "0") == (False, f"{FORK_ENV}=0")
+    assert choose_fork(0.0, "1") == (True, f"{FORK_ENV}=1")
+    small, why = choose_fork(2.0, "auto")
+    assert not small and ("small trace" in why or "CPUs" in why)
+    big, why = choose_fork(1e9, "auto")  # a stop of 1e6 s: any fork is cheaper, given a core to spare
+    assert big == (len(os.sched_getaffinity(0)) >= 2), why

@@ -11,11 +11,11 @@ main thread through a pending call for time-based captures: never from the agent
 Each recorded iteration is wrapped in a ``ProfilerStep#<k>`` record_function, ``k`` being the
 job's own iteration number, so all ranks of a job name the same iteration the same way.
 
-Export runs off the training thread: the trace (Kineto JSON, gzipped) in a forked child
-(agent/traceout.py: Kineto's writer and the release of the results hold the GIL), hw.csv and
-meta.json on a background thread; meta.json is written last, so its presence means the capture
-is complete. The training thread pays only ``stop_trace`` (Kineto's own post-processing), timed
-in meta.json's ``export.stop_ms``.
+Export runs off the training thread: the trace (Kineto JSON, gzipped) on a background thread,
+or for a large trace in a forked child (agent/traceout.py: Kineto's writer holds the GIL), then
+hw.csv and meta.json; meta.json is written last, so its presence means the capture is complete.
+The training thread itself pays ``stop_trace`` (Kineto's post-processing); meta.json's
+``export`` records it and the rest (stop_ms, how, why, fork_ms, write_ms, release_ms).
 """
 from __future__ import annotations
 
@@ -406,7 +406,7 @@ class CaptureDriver:
                 from aiprof.agent.traceout import release_results, write_trace
 
                 try:
-                    out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER)
+                    out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER, self.info.get("stop_ms"))
                 finally:
                     t0 = time.perf_counter()
                     release_results(self.prof)  # holds the GIL as long as it takes: timed, for the record

@@ -1,18 +1,22 @@
 """Writing a stopped profiler's trace (trace.json.gz) without holding up the training thread.
 
 torch's ``export_chrome_trace`` (Kineto's ``save``) and the release of the profiler's results
-are C++ calls that hold the GIL from start to end: seconds on a large GPU capture, during which
-the training thread cannot run a line of Python, whichever thread makes the call. So the export
-thread forks: the child, a copy of this process that has the results in its memory, writes the
-JSON, finds the clock marker, gzips and exits with ``os._exit`` (it never touches CUDA, runs no
-atexit handler, takes no lock another thread may have held). The parent's export thread waits
-for it in ``select`` (no GIL), and a child whose files stop growing for :data:`CHILD_STALL_S`
-is killed: the capture fails, the job goes on. The child dies with its parent
-(``PR_SET_PDEATHSIG``) and runs at a lower priority.
+are C++ calls that hold the GIL from start to end, during which the training thread cannot run
+a line of Python, whichever thread makes the call. A forked child can write instead: a copy of
+this process that has the results in its memory writes the JSON, finds the clock marker, gzips
+and exits with ``os._exit`` (it never touches CUDA, runs no atexit handler, takes no lock
+another thread may have held). The parent's export thread waits for it in ``select`` (no GIL);
+a child whose files stop growing for :data:`CHILD_STALL_S` is killed (the capture fails, the
+job goes on). The child dies with its parent (``PR_SET_PDEATHSIG``) and runs at nice 10.
 
-Where fork is unavailable or refused (``AIPROF_EXPORT_FORK=0``, or ``os.fork`` fails for lack
-of memory), the trace is written on the export thread as before: the capture is kept, the job
-pays the GIL time. Standard library only.
+A fork is not free either: ``os.fork`` holds the GIL while it copies the page tables (about
+25 ms per GB of anonymous memory on this project's VMs), every page the job writes while the
+child lives is copied, and the child needs a core. So by default (``AIPROF_EXPORT_FORK=auto``)
+the agent forks only when the trace is large enough for the save to cost more: Kineto's
+``stop_trace`` time on the training thread, which grows with the trace as the save does, is
+the estimate (:func:`choose_fork`). ``AIPROF_EXPORT_FORK=1`` always forks, ``0`` never; where
+``os.fork`` fails (memory, process limit) the trace is written on the export thread. The
+decision and its inputs go into meta.json (``export``). Standard library only.
 """
 from __future__ import annotations
 
@@ -27,7 +31,13 @@ import time
 import warnings
 from typing import Any
 
-FORK_ENV = "AIPROF_EXPORT_FORK"  # "0": write on the export thread (the job stalls while it holds the GIL)
+FORK_ENV = "AIPROF_EXPORT_FORK"  # auto (default) | 1: always fork | 0: write on the export thread
+# auto: the save costs about as much GIL time as Kineto's stop_trace (CPU, torch 2.13: save 90-120 ms
+# after a 114-190 ms stop), so fork when that estimate is at least FORK_GAIN x the fork's own cost
+FORK_GAIN = 2.0
+FORK_MIN_STOP_MS = 50.0  # below this a save is tens of ms: cheaper than any fork with its page copies
+FORK_MS_PER_GB = 25.0  # os.fork's page-table copy, per GB of anonymous memory (this project's 2-core VM)
+FORK_MIN_CPUS = 2  # the writer needs a core of its own; on one core it would only take turns with the job
 CHILD_STALL_S = 60.0  # the child's files did not grow for this long: it is stuck (killed, capture fails)
 CHILD_MAX_S = 1800.0  # a 512 MB compressed trace takes minutes at most; beyond this it is killed
 CHILD_NICE = 10  # the writer yields the CPU to the job's own threads and data loaders
@@ -80,22 +90,56 @@ def _complete_json(path: str) -> bool:
         return f.read().rstrip().endswith(b"}")
 
 
-def write_trace(prof: Any, d: str, cap_bytes: int, marker: str) -> dict[str, Any]:
+def anon_rss_gb() -> float:
+    """Resident anonymous memory of this process in GB (what os.fork copies page tables for)."""
+    try:
+        with open("/proc/self/statm") as f:
+            _, resident, shared = (int(x) for x in f.read().split()[:3])
+        return max(0, resident - shared) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (OSError, ValueError):
+        return 0.0
+
+
+def choose_fork(stop_ms: float | None, setting: str | None = None) -> tuple[bool, str]:
+    """Whether to write the trace in a forked child, and why (see the module doc)."""
+    setting = (os.environ.get(FORK_ENV, "auto") if setting is None else setting).strip().lower()
+    if not hasattr(os, "fork"):
+        return False, "no fork on this platform"
+    if setting in ("0", "no", "off", "false"):
+        return False, f"{FORK_ENV}={setting}"
+    if setting in ("1", "yes", "on", "true"):
+        return True, f"{FORK_ENV}={setting}"
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if cpus < FORK_MIN_CPUS:
+        return False, f"{cpus} CPUs: no core to spare for a writer"
+    stop = stop_ms or 0.0
+    fork_ms = anon_rss_gb() * FORK_MS_PER_GB
+    if stop < FORK_MIN_STOP_MS or stop < FORK_GAIN * fork_ms:
+        return False, f"stop_trace {stop:.0f} ms: a small trace, cheaper to write here than a fork (~{fork_ms:.0f} ms)"
+    return True, f"stop_trace {stop:.0f} ms: a large trace; a fork costs ~{fork_ms:.0f} ms"
+
+
+def write_trace(prof: Any, d: str, cap_bytes: int, marker: str, stop_ms: float | None = None) -> dict[str, Any]:
     """Write ``prof``'s trace as ``d/trace.json.gz`` (at most ``cap_bytes`` compressed).
 
-    Returns ``trace_bytes`` (JSON size), ``marker_ts`` (the ``marker`` event's ts or None),
-    ``how`` ("fork" or "thread") and timings in ms. Raises ExportError; leaves no partial file.
+    ``stop_ms``: how long the training thread's ``stop_trace`` took (the size estimate). Returns
+    ``trace_bytes`` (JSON size), ``marker_ts`` (the ``marker`` event's ts or None), ``how``
+    ("fork" or "thread"), ``why`` and timings in ms. Raises ExportError; leaves no partial file.
     """
     raw, gz = os.path.join(d, "trace.json.tmp"), os.path.join(d, "trace.json.gz")
     try:
-        if os.environ.get(FORK_ENV, "1") != "0" and hasattr(os, "fork"):
+        fork, why = choose_fork(stop_ms)
+        if fork:
             try:
-                return _in_child(prof, raw, gz, cap_bytes, marker)
-            except _NoFork:
-                pass
+                return {**_in_child(prof, raw, gz, cap_bytes, marker), "why": why}
+            except _NoFork as exc:
+                why = str(exc)
         t0 = time.perf_counter()
         out = _write(prof, raw, gz, cap_bytes, marker)
-        return {**out, "how": "thread", "write_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        return {**out, "how": "thread", "why": why, "write_ms": round((time.perf_counter() - t0) * 1e3, 3)}
     except BaseException:
         for p in (raw, raw + ".tmp", gz):
             try:
@@ -158,10 +202,10 @@ def _in_child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str) -> dict
     t0 = time.perf_counter()
     try:
         pid = os.fork()
-    except OSError:
+    except OSError as exc:
         os.close(r)
         os.close(w)
-        raise _NoFork() from None
+        raise _NoFork(f"fork failed ({exc.strerror or exc}): written here") from None
     if pid == 0:  # the child: never returns
         _child(prof, raw, gz, cap_bytes, marker, r, w)
     fork_ms = (time.perf_counter() - t0) * 1e3
