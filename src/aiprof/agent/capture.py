@@ -19,6 +19,7 @@ The training thread itself pays ``stop_trace`` (Kineto's post-processing); meta.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -38,6 +39,20 @@ START_TIMEOUT_S = 10.0  # a pending call on a main thread that runs no Python fo
 EXPORT_WAIT_AT_EXIT_S = 30.0
 
 DoneCallback = Callable[[dict], None]
+
+
+def _holds_the_job(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark the time a driver method runs on the job's thread (profiler prepare/start/stop):
+    the auto-trigger must not take the agent's own work for a stall of the job."""
+    @functools.wraps(fn)
+    def wrapper(self: "CaptureDriver", *args: Any, **kwargs: Any) -> Any:
+        self.holding_since = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.held_until = time.perf_counter()
+            self.holding_since = None
+    return wrapper
 
 
 def rank_info() -> dict[str, int | None]:
@@ -77,6 +92,8 @@ class CaptureDriver:
         self._reset()
         self.last_result: dict | None = None
         self.captures_done = 0
+        self.holding_since: float | None = None  # perf_counter while prepare/start/stop runs on the job's thread
+        self.held_until: float | None = None  # when the last of those ended
 
     def _reset(self) -> None:
         self.start_at: int | None = None
@@ -180,6 +197,7 @@ class CaptureDriver:
         finally:
             self.pending_main = None
 
+    @_holds_the_job
     def yield_to_job(self) -> None:
         """The job is about to prepare or start its own profiler (agent/profguard.py): drop this
         capture first if it holds the profiler, so that the job's runs alone."""
@@ -294,6 +312,7 @@ class CaptureDriver:
         except Exception as exc:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
 
+    @_holds_the_job
     def _prepare(self) -> None:
         why = profguard.busy()
         if why:
@@ -310,6 +329,7 @@ class CaptureDriver:
             self.prof = None
             self._fail(f"profiler prepare failed: {type(exc).__name__}: {exc}")
 
+    @_holds_the_job
     def _start(self, k: int | None, mode: str) -> None:
         req = self.req
         assert req is not None
@@ -364,6 +384,7 @@ class CaptureDriver:
             self.errors.append(f"GPU id: {type(exc).__name__}: {exc}")
             return []
 
+    @_holds_the_job
     def _stop(self) -> None:
         """Stop the profiler (stepping or main thread) and hand the results to the exporter."""
         t_stop_unix_ns = time.time_ns()
