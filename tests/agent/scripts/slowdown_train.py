@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--ckpt-s", type=float, default=0.0)
     a = ap.parse_args()
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # two intra-op threads on a busy 2-core box wait on each other: 150 ms steps
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(32, 64)
