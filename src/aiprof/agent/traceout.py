@@ -199,15 +199,16 @@ class _NoFork(Exception):
 
 def _in_child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str) -> dict[str, Any]:
     r, w = os.pipe()
+    parent = os.getpid()
     t0 = time.perf_counter()
     try:
         pid = os.fork()
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # no memory, process limit; RuntimeError: interpreter finalizing
         os.close(r)
         os.close(w)
-        raise _NoFork(f"fork failed ({exc.strerror or exc}): written here") from None
+        raise _NoFork(f"fork failed ({getattr(exc, 'strerror', None) or exc}): written here") from None
     if pid == 0:  # the child: never returns
-        _child(prof, raw, gz, cap_bytes, marker, r, w)
+        _child(prof, raw, gz, cap_bytes, marker, r, w, parent)
     fork_ms = (time.perf_counter() - t0) * 1e3
     os.close(w)
     try:
@@ -225,7 +226,7 @@ def _in_child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str) -> dict
             "fork_ms": round(fork_ms, 3), "write_ms": round(total_ms - fork_ms, 3)}
 
 
-def _child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str, r: int, w: int) -> None:
+def _child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str, r: int, w: int, parent: int) -> None:
     code = 1
     try:
         os.close(r)
@@ -237,6 +238,8 @@ def _child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str, r: int, w:
             os.nice(CHILD_NICE)
         except Exception:
             pass
+        if os.getppid() != parent:  # the job died before the death signal was armed
+            return
         out = _write(prof, raw, gz, cap_bytes, marker)
         os.write(w, json.dumps({"ok": True, **out}).encode())
         code = 0
