@@ -47,6 +47,14 @@ def _agent_state(rt: str, pid: int) -> str | None:
         return None
 
 
+def _children(pid: int) -> list[int]:
+    """Child processes of ``pid`` (made by any of its threads)."""
+    try:
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except OSError:
+        return []
+
+
 def _agent_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.startswith("aiprof agent[")]
 
@@ -182,9 +190,8 @@ def test_the_trace_is_written_by_a_child_process_while_the_job_runs_on(rt, tmp_p
         waiting = Path(f"{gate}.waiting")
         wait_for(waiting.exists, 90, "the job held before step 9, five steps after the capture stopped")
         job_pid = int(waiting.read_text())
-        writers = [int(p) for t in Path(f"/proc/{job_pid}/task").iterdir()
-                   for p in (t / "children").read_text().split()]
-        assert writers, "no child process of the job is writing the trace"
+        # the writer blocks at the FIFO until the test reads it, so waiting for it cannot race
+        writers = wait_for(lambda: _children(job_pid), 60, "a child process of the job writing the trace")
         assert not (rank / "meta.json").exists()  # the capture is not complete yet
         with open(fifo, "rb") as f:  # let the writer go: what it streams is the whole trace
             data = f.read()
@@ -218,12 +225,11 @@ def test_the_agent_survives_the_trace_writer_dying(rt, tmp_path):
     try:
         wait_for(Path(f"{gate}.waiting").exists, 90, "the job held before step 7")
         job_pid = int(Path(f"{gate}.waiting").read_text())
-        writers = [int(p) for t in Path(f"/proc/{job_pid}/task").iterdir()
-                   for p in (t / "children").read_text().split()]
+        writers = wait_for(lambda: _children(job_pid), 60, "the child process writing the trace")
         assert len(writers) == 1
         os.kill(writers[0], signal.SIGKILL)
-        wait_for(lambda: not Path(f"/proc/{writers[0]}").exists()
-                 or "Z" in Path(f"/proc/{writers[0]}/stat").read_text().split()[2], 30, "the writer's end")
+        # the agent notices (its export thread reaps the child), reports, and is idle again
+        wait_for(lambda: _agent_state(rt, job_pid) == "idle", 60, "the agent idle after the writer's death")
         # the same process takes the next capture (local trigger) and writes it whole
         trig = subprocess.Popen([PY, "-m", "aiprof", "trigger", "--pid", str(job_pid), "--iterations", "2",
                                  "--wait-ms", "600000", "--out", str(out), "--capture-id", "c2", "--timeout", "90"],
