@@ -182,13 +182,13 @@ class Uplink:
                 if exc.status == 404:  # a restarted server does not know us: register again now
                     self.registered = False
                     continue
-                self.server_ok = False
                 if exc.status in AUTH_REFUSED:
                     log.warn_once("server-auth", f"server {self.client.base} refuses this agent's token ({exc}); "
                                                  "the job continues and captures stay local")
                 else:
                     log.warn_once("server-down", f"server {self.client.base} not answering ({exc}); the job "
                                                  "continues and captures stay local")
+                self.server_ok = False  # after the line: the exit wait ends on it, and the line must be out
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 wait = backoff
             except Exception as exc:
