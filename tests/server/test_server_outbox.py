@@ -120,8 +120,11 @@ def test_auto_trigger_capture_is_uploaded_with_its_reason(server, tmp_path):
     out = tmp_path / "caps"
     auto = {"warmup_steps": 3, "baseline_steps": 10, "recent_steps": 3, "capture_iterations": 3, "gap_s": 60,
             "min_interval_s": 0.0, "max_captures": 1, "poll_s": 0.1}
+    # the job stays slow (3x its own fast steps, whatever the load does to them) until the capture
+    # it causes is written: no race between the slow phase's end and the agent's reaction
     r = _run("run", "--server", server.url, "--job", "auto-job", "--out", str(out), "--auto", json.dumps(auto),
-             "--", PY, str(SLOW), "--fast", "30", "--slow", "25", env=_env(tmp_path, server.token))
+             "--", PY, str(SLOW), "--fast", "30", "--slow", "5", "--slow-factor", "3",
+             "--slow-until", str(out / "*" / "rank0" / "meta.json"), env=_env(tmp_path, server.token))
     assert r.returncode == 0, r.stderr[-3000:]
     (local,) = sorted(p.parent for p in out.glob("*/rank0/meta.json"))
     cid = local.parent.name

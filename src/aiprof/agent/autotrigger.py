@@ -188,6 +188,12 @@ class AutoTrigger:
         count = tr.count
         if age is None or count < 1 or self._gap_done_at == count:
             return
+        d = self.agent.driver
+        if getattr(d, "holding_since", None) is not None:
+            return  # the agent itself is starting or stopping its profiler on the job's thread
+        held = getattr(d, "held_until", None)
+        if held is not None:  # a gap counts from the end of the agent's own work, not before it
+            age = min(age, time.perf_counter() - held)
         cfg = self.cfg
         limit = cfg.gap_s * (cfg.first_gap_factor if self.gaps_seen == 0 else 1.0)
         if age < min(limit, cfg.gap_s):

@@ -73,6 +73,9 @@ class Agent:
         from aiprof.agent.collectives import install as install_collectives
 
         install_collectives(self.origin)  # last collectives entered, for hang snapshots; never raises
+        from aiprof.agent import profguard
+
+        profguard.install(self.driver.yield_to_job)  # the job's own torch.profiler comes first; never raises
         if entry:
             self.set_entry(entry)
         self.control.start()

@@ -11,23 +11,25 @@ main thread through a pending call for time-based captures: never from the agent
 Each recorded iteration is wrapped in a ``ProfilerStep#<k>`` record_function, ``k`` being the
 job's own iteration number, so all ranks of a job name the same iteration the same way.
 
-Export (Kineto JSON, gzip, hw.csv, meta.json) runs on a background thread; meta.json is
-written last, so its presence means the capture is complete.
+Export runs off the training thread: the trace (Kineto JSON, gzipped) on a background thread,
+or for a large trace in a forked child (agent/traceout.py: Kineto's writer holds the GIL), then
+hw.csv and meta.json; meta.json is written last, so its presence means the capture is complete.
+The training thread itself pays ``stop_trace`` (Kineto's post-processing); meta.json's
+``export`` records it and the rest (stop_ms, how, why, fork_ms, write_ms, release_ms).
 """
 from __future__ import annotations
 
-import gzip
+import functools
 import json
 import os
 import platform
-import re
 import socket
 import sys
 import threading
 import time
 from typing import Any, Callable
 
-from aiprof.agent import log
+from aiprof.agent import log, profguard
 from aiprof.agent.config import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
@@ -37,6 +39,20 @@ START_TIMEOUT_S = 10.0  # a pending call on a main thread that runs no Python fo
 EXPORT_WAIT_AT_EXIT_S = 30.0
 
 DoneCallback = Callable[[dict], None]
+
+
+def _holds_the_job(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark the time a driver method runs on the job's thread (profiler prepare/start/stop):
+    the auto-trigger must not take the agent's own work for a stall of the job."""
+    @functools.wraps(fn)
+    def wrapper(self: "CaptureDriver", *args: Any, **kwargs: Any) -> Any:
+        self.holding_since = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.held_until = time.perf_counter()
+            self.holding_since = None
+    return wrapper
 
 
 def rank_info() -> dict[str, int | None]:
@@ -63,29 +79,6 @@ def rank_info() -> dict[str, int | None]:
             "local_rank": env_int("LOCAL_RANK")}
 
 
-def find_marker_ts(path: str, name: str = CLOCK_MARKER, limit_bytes: int = 1 << 30) -> float | None:
-    """The ``ts`` of the first event named ``name`` in a Kineto JSON file, scanning as text.
-
-    Parsing the whole trace would cost the job memory and GIL time; the event is small and
-    Kineto writes ``name`` before ``ts`` inside one event object.
-    """
-    pat = re.compile(rb'"name":\s*"' + re.escape(name.encode()) + rb'"[^{}]*?"ts":\s*([0-9.eE+-]+)')
-    tail = b""
-    read = 0
-    with open(path, "rb") as f:
-        while read < limit_bytes:
-            chunk = f.read(1 << 22)
-            if not chunk:
-                break
-            read += len(chunk)
-            buf = tail + chunk
-            m = pat.search(buf)
-            if m:
-                return float(m.group(1))
-            tail = buf[-4096:]
-    return None
-
-
 class CaptureDriver:
     """Owns the profiler of one process. Thread-safe enough: the hot path reads one attribute."""
 
@@ -99,6 +92,8 @@ class CaptureDriver:
         self._reset()
         self.last_result: dict | None = None
         self.captures_done = 0
+        self.holding_since: float | None = None  # perf_counter while prepare/start/stop runs on the job's thread
+        self.held_until: float | None = None  # when the last of those ended
 
     def _reset(self) -> None:
         self.start_at: int | None = None
@@ -121,6 +116,7 @@ class CaptureDriver:
         self.during_ms: list[float] = []
         self.errors: list[str] = []
         self.export_thread: threading.Thread | None = None
+        self.prof_thread: int | None = None  # the thread that prepared or started self.prof
 
     # -- control side (agent threads) ---------------------------------------------------------
     def submit(self, req: CaptureRequest, on_done: DoneCallback | None = None) -> str | None:
@@ -200,6 +196,30 @@ class CaptureDriver:
             self._stop()
         finally:
             self.pending_main = None
+
+    @_holds_the_job
+    def yield_to_job(self) -> None:
+        """The job is about to prepare or start its own profiler (agent/profguard.py): drop this
+        capture first if it holds the profiler, so that the job's runs alone."""
+        if not (self.state is RECORDING or (self.state is ARMED and self.prepared)):
+            return
+        why = "the job started its own torch.profiler; this capture was dropped so that the job's runs alone"
+        if self.prof_thread != threading.get_ident():
+            log.warn_once("yield-thread", f"{why.split(';')[0]} on another thread; the agent cannot stop its own "
+                                          "capture from there")
+            return
+        rf, self.step_rf = self.step_rf, None
+        try:
+            if rf is not None:
+                rf.__exit__(None, None, None)
+            if self.state is RECORDING and self.prof is not None:
+                with profguard.own():
+                    self.prof.stop_trace()
+        except Exception as exc:
+            self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
+        self.prof = None
+        self.pending_main = None
+        self._fail(why)
 
     def _fail(self, why: str) -> None:
         if self.sampler is not None:
@@ -292,19 +312,32 @@ class CaptureDriver:
         except Exception as exc:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
 
+    @_holds_the_job
     def _prepare(self) -> None:
+        why = profguard.busy()
+        if why:
+            self._fail(why)
+            return
         try:
             self._start_sampler(self._gpu_uuids())
             self.prof = self._make_profiler()
-            self.prof.prepare_trace()
+            with profguard.own():
+                self.prof.prepare_trace()
             self.prepared = True
+            self.prof_thread = threading.get_ident()
         except Exception as exc:
             self.prof = None
             self._fail(f"profiler prepare failed: {type(exc).__name__}: {exc}")
 
+    @_holds_the_job
     def _start(self, k: int | None, mode: str) -> None:
         req = self.req
         assert req is not None
+        why = profguard.busy()
+        if why:
+            self.prof = None
+            self._fail(why)
+            return
         try:
             self.mode = mode
             tracker = self.agent.tracker
@@ -314,10 +347,12 @@ class CaptureDriver:
             gpus = self._gpu_uuids()
             if self.sampler is None:  # start sampling just before recording (setup is slow)
                 self._start_sampler(gpus)
-            if self.prof is None:
-                self.prof = self._make_profiler()
-                self.prof.prepare_trace()
-            self.prof.start_trace()
+            with profguard.own():
+                if self.prof is None:
+                    self.prof = self._make_profiler()
+                    self.prof.prepare_trace()
+                self.prof.start_trace()
+            self.prof_thread = threading.get_ident()
             from torch.autograd.profiler import record_function
 
             t0 = time.time_ns()
@@ -349,6 +384,7 @@ class CaptureDriver:
             self.errors.append(f"GPU id: {type(exc).__name__}: {exc}")
             return []
 
+    @_holds_the_job
     def _stop(self) -> None:
         """Stop the profiler (stepping or main thread) and hand the results to the exporter."""
         t_stop_unix_ns = time.time_ns()
@@ -358,7 +394,10 @@ class CaptureDriver:
                 rf.__exit__(None, None, None)
             if self.sampler is not None:
                 self.sampler._stop.set()  # joined by the exporter, not here
-            self.prof.stop_trace()
+            t0 = time.perf_counter()
+            with profguard.own():
+                self.prof.stop_trace()
+            self.info["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         except Exception as exc:
             self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
         self.during_ms = self.agent.tracker.recent_ms(len(self.steps)) if self.steps else []
@@ -383,24 +422,20 @@ class CaptureDriver:
             d = self.out_dir()
             os.makedirs(d, exist_ok=True)
             result["dir"] = d
-            raw = os.path.join(d, "trace.json.tmp")
-            gz = os.path.join(d, "trace.json.gz")
             trace_bytes = 0
             if self.prof is not None:
-                self.prof.export_chrome_trace(raw)
-                self.prof = None  # free the in-memory results early
-                trace_bytes = os.path.getsize(raw)
-                self._clock_offset(raw)
-                cap = req.max_trace_mb << 20
-                with open(raw, "rb") as src, gzip.open(gz, "wb", compresslevel=3) as dst:
-                    while True:
-                        chunk = src.read(1 << 22)
-                        if not chunk:
-                            break
-                        dst.write(chunk)
-                        if dst.fileobj is not None and dst.fileobj.tell() > cap:  # type: ignore[union-attr]
-                            raise RuntimeError(f"trace exceeds --max-trace-mb {req.max_trace_mb}")
-                os.unlink(raw)
+                from aiprof.agent.traceout import release_results, write_trace
+
+                try:
+                    out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER, self.info.get("stop_ms"))
+                finally:
+                    t0 = time.perf_counter()
+                    release_results(self.prof)  # holds the GIL as long as it takes: timed, for the record
+                    self.prof = None
+                    release_ms = round((time.perf_counter() - t0) * 1e3, 3)
+                trace_bytes = out.pop("trace_bytes")
+                self._clock_offset(out.pop("marker_ts"))
+                self.info["export"] = {**out, "release_ms": release_ms}
             hw_rows = 0
             hw_notes: list[str] = []
             hw_sources: list[str] = []
@@ -420,9 +455,10 @@ class CaptureDriver:
             result["ok"] = True
             result["steps"] = meta["steps"]["captured"]
         except Exception as exc:
-            result["error"] = f"export failed: {type(exc).__name__}: {exc}"
-            log.error("capture export", exc)
-            for leftover in ("trace.json.tmp", "trace.json.gz"):
+            self.prof = None
+            why = str(exc) if type(exc).__name__ == "ExportError" else f"{type(exc).__name__}: {exc}"
+            result["error"] = f"export failed: {why}"
+            for leftover in ("trace.json.tmp", "trace.json.gz", "hw.csv", "meta.json.tmp"):
                 try:
                     if result["dir"] and not result.get("ok"):
                         os.unlink(os.path.join(result["dir"], leftover))
@@ -433,10 +469,9 @@ class CaptureDriver:
             self.captures_done += 1
         self._finish(result)
 
-    def _clock_offset(self, raw: str) -> None:
-        """Find the marker's ts in the trace and record trace_ts - unix_us in self.clock."""
+    def _clock_offset(self, ts: float | None) -> None:
+        """Record trace_ts - unix_us in self.clock from the marker's ts in the trace."""
         try:
-            ts = find_marker_ts(raw)
             if ts is None:
                 self.errors.append("clock marker not found in trace")
                 return
@@ -521,6 +556,8 @@ class CaptureDriver:
             "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None},
             "trace_json_bytes": trace_bytes,
             "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms},
+            # what the end of the capture cost: stop_ms on the training thread, the rest off it
+            "export": {"stop_ms": self.info.get("stop_ms"), **(self.info.get("export") or {})},
             "errors": self.errors,
         }
 

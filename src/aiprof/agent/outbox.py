@@ -153,13 +153,18 @@ def pending(root: str, server: str | None = None, rank: int | None = None) -> li
 def upload_rank_dir(client: ServerClient, rd: RankDir, timeout: float = 120.0) -> list[Any]:
     """Upload one rank folder's files, meta.json last (its arrival marks the rank complete).
 
-    Marks the folder uploaded when every file is in. Raises ServerError (the marker stays).
+    The server learns the capture's ranks from meta.json's world size and trigger scope, and
+    refuses a rank outside them. Marks the folder uploaded when every file is in. Raises
+    ServerError (the marker stays).
     """
     names = sorted(f for f in os.listdir(rd.path) if is_plain_name(f)
                    and os.path.isfile(os.path.join(rd.path, f)))
     names.sort(key=lambda n: n == "meta.json")
+    meta = _read_marker(os.path.join(rd.path, "meta.json")) or {}
+    world = meta.get("world_size") if isinstance(meta.get("world_size"), int) else None
+    scope = (meta.get("trigger") or {}).get("scope") if isinstance(meta.get("trigger"), dict) else None
     out = [client.upload_file(rd.capture_id, rd.rank, os.path.join(rd.path, n), n, attempts=3, timeout=timeout,
-                              job=rd.job) for n in names]
+                              job=rd.job, world_size=world, scope=scope) for n in names]
     try:
         mark_uploaded(rd.path, client.base)
     except OSError:

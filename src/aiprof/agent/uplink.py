@@ -45,6 +45,7 @@ MAX_BACKOFF_S = 10.0  # heartbeat retry period at most, while the server is away
 MAX_RETRY_S = 60.0
 OUTBOX = 64
 MAX_RETRIES_KEPT = 32
+AUTH_REFUSED = (401, 403)  # a wrong token: retrying cannot help, but `aiprof upload` with the right one can
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -181,9 +182,13 @@ class Uplink:
                 if exc.status == 404:  # a restarted server does not know us: register again now
                     self.registered = False
                     continue
-                self.server_ok = False
-                log.warn_once("server-down", f"server {self.client.base} not answering ({exc}); the job "
-                                             "continues and captures stay local")
+                if exc.status in AUTH_REFUSED:
+                    log.warn_once("server-auth", f"server {self.client.base} refuses this agent's token ({exc}); "
+                                                 "the job continues and captures stay local")
+                else:
+                    log.warn_once("server-down", f"server {self.client.base} not answering ({exc}); the job "
+                                                 "continues and captures stay local")
+                self.server_ok = False  # after the line: the exit wait ends on it, and the line must be out
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 wait = backoff
             except Exception as exc:
@@ -328,6 +333,14 @@ class Uplink:
                     self.pending -= 1
                     self.uploaded = (self.uploaded + [rd.path])[-32:]
         except ServerError as exc:
+            if exc.status in AUTH_REFUSED:  # a token problem, not the capture's: it stays pending
+                log.warn_once("upload-auth", f"server refused this agent's token ({exc}); captures stay in "
+                                             f"{self.out}, marked {outbox.PENDING}: `aiprof upload {self.out}` "
+                                             "with the right token sends them")
+                if task[0] == "upload":
+                    with self._lock:
+                        self.pending -= 1
+                return
             if exc.status is not None and 400 <= exc.status < 500 and exc.status not in (404, 408, 409, 429):
                 log.warn_once(f"upload-refused-{exc.status}", f"server refused: {exc}; the capture stays local")
                 if task[0] == "upload":

@@ -10,6 +10,7 @@ from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError, read_json_body
 from aiprof.server.store import safe_name, safe_rank
+from aiprof.server.upload_routes import check_rank
 
 
 class AgentRoutes:
@@ -42,6 +43,7 @@ class AgentRoutes:
         rank = safe_rank(body.get("rank"))
         rec = {k: body.get(k) for k in ("ok", "error", "steps", "phase", "dir", "host", "pid")}
         rec["at"] = time.time()
+        check_rank(cid, self.ctx.data.load_capture(cid), rank)
 
         def upd(st: dict) -> None:
             st.setdefault("results", {})[str(rank)] = rec

@@ -153,12 +153,14 @@ class ServerClient:
 
     def upload_file(self, capture_id: str, rank: int, path: str, name: str | None = None,
                     attempts: int = 5, backoff_s: float = 0.5, timeout: float = 60.0,
-                    sha: tuple[str, int] | None = None, job: str | None = None) -> UploadResult:
+                    sha: tuple[str, int] | None = None, job: str | None = None,
+                    world_size: int | None = None, scope: str | None = None) -> UploadResult:
         """Upload one file, resuming where the server's partial copy ends; retried with backoff.
 
         The server keeps the file only when its SHA-256 matches ``sha256``; on a mismatch it
         drops its partial copy and the next attempt starts over. ``job`` names the job of a
-        capture the server did not trigger itself.
+        capture the server did not trigger itself, ``world_size`` and ``scope`` ("rank": taken by
+        this rank alone) the ranks it has, so the server refuses a rank outside them.
         """
         name = name or os.path.basename(path)
         digest, size = sha or file_sha256(path)
@@ -179,7 +181,8 @@ class ServerClient:
                 with open(path, "rb") as f:
                     f.seek(offset)
                     res = self.request("PUT", fpath, raw=_Window(f, size - offset), timeout=timeout,
-                                       query={"offset": offset, "size": size, "sha256": digest, "job": job},
+                                       query={"offset": offset, "size": size, "sha256": digest, "job": job,
+                                              "world_size": world_size, "scope": scope},
                                        headers={"Content-Type": "application/octet-stream",
                                                 "Content-Length": str(size - offset)})
                 sent += size - offset

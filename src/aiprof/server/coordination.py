@@ -114,6 +114,9 @@ class JobCoordination:
         st = read_json(os.path.join(d, STATE))
         if st is None:
             raise HTTPError(404, f"no snapshot {sid}")
+        if rank not in st.get("expected", [rank]):
+            raise HTTPError(400, f"rank {rank} is not part of snapshot {sid} (its ranks: "
+                                 f"{', '.join(map(str, st['expected'])) or 'none'})")
         body = await read_json_body(req, MAX_STACKS_JSON)
         body["rank"] = rank
         write_json(os.path.join(d, f"rank{rank}.json"), body)

@@ -1,15 +1,21 @@
 """Resumable, checksummed uploads of capture files (docs/server.md, "Uploads").
 
-``GET .../files/{name}`` says how many bytes the server holds; ``PUT ...?offset=O&size=S&sha256=H``
-appends from O to ``rank<R>/.uploads/<name>.part``. When S bytes are in, the part is hashed and
-renamed into place only if the SHA-256 matches. Uploads to one file are serialised.
+``GET .../files/{name}`` says how many bytes the server holds durably; ``PUT
+...?offset=O&size=S&sha256=H`` appends from O to ``rank<R>/.uploads/<name>.part``. Every
+:data:`DURABLE_EVERY` bytes (and when the connection ends) the part is fsync'd and its length
+recorded in ``<name>.durable`` (itself fsync'd): only those bytes count after a crash or a
+restart, so a resumed upload never builds on a tail the disk may not hold. When S bytes are in,
+the part is hashed and renamed into place only if the SHA-256 matches. Uploads to one file are
+serialised; a rank that is not part of the capture is refused (400) before any byte is stored.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import time
+from typing import Any
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
@@ -19,10 +25,70 @@ from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.client import file_sha256
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError
-from aiprof.server.store import read_json, safe_name, safe_rank, write_json
+from aiprof.server.store import MAX_RANK, read_json, safe_name, safe_rank, write_json
 
 MAX_FILES_PER_RANK = 16
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+# fsync the part this often: a crash re-sends at most this much, and 200 MB cost ~25 fsyncs
+DURABLE_EVERY = 8 << 20
+
+
+def capture_ranks(st: dict[str, Any]) -> list[int] | range | None:
+    """The ranks a capture may receive files for, from its state; None when not known yet.
+
+    A capture the server triggered expects the ranks its job had then; one an agent took by
+    itself names its world size (or, taken by one rank alone, that rank) with its first upload.
+    """
+    if st.get("expected") is not None:
+        return [int(r) for r in st["expected"]]
+    if st.get("solo_rank") is not None:
+        return [int(st["solo_rank"])]
+    if st.get("world_size") is not None:
+        return range(int(st["world_size"]))
+    return None
+
+
+def check_rank(cid: str, st: dict[str, Any] | None, rank: int) -> None:
+    """HTTPError 400 when ``rank`` is not part of capture ``cid`` (nothing known: accepted)."""
+    ranks = capture_ranks(st or {})
+    if ranks is None or rank in ranks:
+        return
+    shown = f"0-{len(ranks) - 1}" if isinstance(ranks, range) and len(ranks) > 1 else ", ".join(map(str, ranks))
+    raise HTTPError(400, f"rank {rank} is not part of capture {cid} (its ranks: {shown or 'none'})")
+
+
+def _query_int(q: Any, key: str, lo: int, hi: int) -> int | None:
+    raw = q.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise HTTPError(400, f"{key} must be an integer") from None
+    if not lo <= v <= hi:
+        raise HTTPError(400, f"{key} must be in {lo}..{hi}")
+    return v
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_durable(f: Any, marker: str, received: int, size: int, sha: str) -> None:
+    """fsync the open part ``f``, then record ``received`` as its durable length (fsync'd rename)."""
+    f.flush()
+    os.fsync(f.fileno())
+    tmp = marker + ".tmp"
+    with open(tmp, "w") as m:
+        json.dump({"bytes": received, "size": size, "sha256": sha}, m)
+        m.flush()
+        os.fsync(m.fileno())
+    os.replace(tmp, marker)
+    _fsync_dir(os.path.dirname(marker))
 
 
 class UploadRoutes:
@@ -34,17 +100,25 @@ class UploadRoutes:
         self.queue = queue
         self.file_locks: dict[tuple, asyncio.Lock] = {}
 
+    def _durable(self, cid: str, rank: int, name: str) -> dict[str, Any]:
+        """The part's durable record: bytes fsync'd, and the size and sha256 they belong to."""
+        rec = read_json(self.data.part_path(cid, rank, name)[:-len(".part")] + ".durable")
+        return rec if isinstance(rec, dict) and isinstance(rec.get("bytes"), int) else {"bytes": 0}
+
     def _file_status(self, cid: str, rank: int, name: str) -> dict:
         final = self.data.file_path(cid, rank, name)
         if os.path.isfile(final):
             sha = read_json(self.data.part_path(cid, rank, name)[:-len(".part")] + ".sha256.json") or {}
             return {"complete": True, "received": os.path.getsize(final), "sha256": sha.get("sha256")}
         part = self.data.part_path(cid, rank, name)
-        return {"complete": False, "received": os.path.getsize(part) if os.path.isfile(part) else 0}
+        held = os.path.getsize(part) if os.path.isfile(part) else 0
+        return {"complete": False, "received": min(held, self._durable(cid, rank, name)["bytes"])}
 
     async def file_status(self, req: Request) -> Response:
         p = req.path_params
-        return JSONResponse(self._file_status(p["cid"], safe_rank(p["rank"]), p["name"]))
+        cid, rank, name = safe_name(p["cid"], "capture id"), safe_rank(p["rank"]), safe_name(p["name"], "file name")
+        check_rank(cid, self.data.load_capture(cid), rank)
+        return JSONResponse(self._file_status(cid, rank, name))
 
     async def put_file(self, req: Request) -> Response:
         p, q = req.path_params, req.query_params
@@ -60,70 +134,121 @@ class UploadRoutes:
             raise HTTPError(400, "sha256 must be 64 hex digits")
         if size < 0 or size > self.ctx.max_file:
             raise HTTPError(413, f"file of {size} bytes is over the limit of {self.ctx.max_file} bytes")
+        world = _query_int(q, "world_size", 1, MAX_RANK)
+        if world is not None and rank >= world:
+            raise HTTPError(400, f"rank {rank} is not part of a job of world size {world}")
         key = (cid, rank, name)
         lock = self.file_locks.setdefault(key, asyncio.Lock())
         try:
             async with lock:
-                return await self._receive(req, cid, rank, name, offset, size, sha)
+                return await self._receive(req, cid, rank, name, offset, size, sha, world)
         finally:
             if not lock.locked() and not getattr(lock, "_waiters", None):
                 self.file_locks.pop(key, None)
 
-    async def _receive(self, req: Request, cid: str, rank: int, name: str, offset: int, size: int, sha: str) -> Response:
+    async def _receive(self, req: Request, cid: str, rank: int, name: str, offset: int, size: int, sha: str,
+                       world: int | None) -> Response:
+        check_rank(cid, self.data.load_capture(cid), rank)
         st = self._file_status(cid, rank, name)
         if st["complete"]:
             if st.get("sha256") == sha:
                 return JSONResponse(st)
             raise HTTPError(409, f"{name} of rank {rank} is already complete with another checksum")
+        part = self.data.part_path(cid, rank, name)
+        marker = part[:-len(".part")] + ".durable"
+        durable = self._durable(cid, rank, name)
+        if st["received"] and (durable.get("sha256"), durable.get("size")) != (sha, size):
+            self._drop_part(part, marker)  # the partial copy is of another file: start it over
+            raise HTTPError(409, f"the {st['received']} bytes held of {name} belong to another file; "
+                                 "they were dropped", received=0)
         if offset != st["received"]:
             raise HTTPError(409, f"offset {offset} does not match the {st['received']} bytes held", received=st["received"])
-        self._ensure_capture(cid, req.query_params.get("job"))
+        self._ensure_capture(cid, req.query_params.get("job"), rank, world, req.query_params.get("scope"))
         rdir = self.data.rank_dir(cid, rank)
         if not os.path.isdir(rdir) or name not in os.listdir(rdir):
             existing = [f for f in (os.listdir(rdir) if os.path.isdir(rdir) else []) if not f.startswith(".")]
             if len(existing) >= MAX_FILES_PER_RANK:
                 raise HTTPError(413, f"rank {rank} already has {len(existing)} files")
-        part = self.data.part_path(cid, rank, name)
         os.makedirs(os.path.dirname(part), exist_ok=True)
         received = offset
         over = False
+        synced = offset
         f = open(part, "ab")
         try:
+            f.truncate(offset)  # bytes past the durable length may not be on disk: never build on them
             async for chunk in req.stream():
                 if received + len(chunk) > size:
                     over = True
                     break
-                f.write(chunk)
-                received += len(chunk)
+                view = memoryview(chunk)
+                while view:  # sync points at multiples of DURABLE_EVERY, wherever chunks end
+                    piece = view[:DURABLE_EVERY - received % DURABLE_EVERY]
+                    f.write(piece)
+                    received += len(piece)
+                    view = view[len(piece):]
+                    if received % DURABLE_EVERY == 0:
+                        await anyio.to_thread.run_sync(make_durable, f, marker, received, size, sha)
+                        synced = received
         except ClientDisconnect:  # keep what arrived: the client resumes from it
-            return JSONResponse({"complete": False, "received": received})
+            pass
         finally:
-            f.close()
+            try:
+                if not over and received > synced:
+                    make_durable(f, marker, received, size, sha)  # a short fsync, also when cancelled
+            finally:
+                f.close()
         if over:
-            os.unlink(part)
+            self._drop_part(part, marker)
             raise HTTPError(413, f"more bytes than the declared size {size}")
         if received < size:
             return JSONResponse({"complete": False, "received": received})
         digest, n = await anyio.to_thread.run_sync(file_sha256, part)
         if digest != sha or n != size:
-            os.unlink(part)
+            self._drop_part(part, marker)
             self.ctx.stats["checksum_mismatch"] += 1
             raise HTTPError(422, f"checksum mismatch for {name}: got {digest}, expected {sha}; send it again")
         write_json(part[:-len(".part")] + ".sha256.json", {"sha256": digest, "size": n})
         os.replace(part, self.data.file_path(cid, rank, name))
+        self._drop_part(part, marker)
         self.ctx.stats["uploads"] += 1
         self.ctx.stats["upload_bytes"] += n
         if name == "meta.json":
+            self._learn_ranks(cid, rank)
             self.queue.check_complete(cid)
         return JSONResponse({"complete": True, "received": n, "sha256": digest})
 
-    def _ensure_capture(self, cid: str, job: str | None) -> None:
-        """An upload for a capture the server did not trigger (``aiprof run --server --iterations``)."""
+    def _learn_ranks(self, cid: str, rank: int) -> None:
+        """A capture whose ranks are not known yet (an older uploader) takes them from its first meta.json."""
+        meta = read_json(self.data.file_path(cid, rank, "meta.json"))
+        if not isinstance(meta, dict):
+            return
+
+        def upd(s: dict) -> None:
+            if capture_ranks(s) is not None:
+                return
+            if (meta.get("trigger") or {}).get("scope") == "rank":
+                s["solo_rank"] = rank
+            elif isinstance(meta.get("world_size"), int) and meta["world_size"] > rank:
+                s["world_size"] = meta["world_size"]
+        self.data.update_capture(cid, upd)
+
+    @staticmethod
+    def _drop_part(part: str, marker: str) -> None:
+        for p in (marker, part):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def _ensure_capture(self, cid: str, job: str | None, rank: int, world: int | None, scope: str | None) -> None:
+        """An upload for a capture the server did not trigger (``aiprof run --server --iterations``,
+        the auto-trigger): created with the ranks its first upload names."""
         with self.data.lock:
             if self.data.load_capture(cid) is None:
                 os.makedirs(self.data.capture_dir(cid), exist_ok=True)
                 self.data.save_capture(cid, {"capture_id": cid, "job": safe_name(job, "job") if job else None,
                                              "created": time.time(), "expected": None, "results": {},
+                                             "world_size": world, "solo_rank": rank if scope == "rank" else None,
                                              "deadline": time.time() + 600, "auto_analyze": True,
                                              "state": "capturing", "source": "agent"})
                 self.queue.active.add(cid)
