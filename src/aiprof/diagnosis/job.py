@@ -110,14 +110,19 @@ def attach_collectives(facts: list[RankFacts], columns: dict) -> bool:
         if f.rank in rcols:
             f.graph = build_graph(f.rt, window_steps(f), f.graph.profiler, rcols[f.rank])
             f.extra["offset_ns"] = off.get(f.rank, 0.0)
-    coupled = [f for f in facts if f.rank in rcols]
+    settle([f for f in facts if f.rank in rcols])
+    return True
+
+
+def settle(coupled: list[RankFacts]) -> None:
+    """Calibrate coupled ranks together (to the median of their unprofiled steps, where known)
+    and set each one's baseline to the joint replay."""
     targets = [f.unprofiled_step_ns for f in coupled if f.unprofiled_step_ns]
     scale = calibrate_joint(coupled, float(np.median(targets))) if targets else (1.0, 1.0)
     res = joint_replay(coupled)
     for f in coupled:
         f.host_scale = scale
         f.base = res[f.rank]
-    return True
 
 
 def calibrate_joint(facts: list[RankFacts], target_step_ns: float) -> tuple[float, float]:
