@@ -10,7 +10,7 @@ import pytest
 from aiprof.analysis.report import build_report
 from aiprof.diagnosis import job
 from aiprof.diagnosis.graph import RankCollectives
-from aiprof.errors import TraceError, UsageError
+from aiprof.errors import AiprofError, TraceError, UsageError
 from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report, partners
 from aiprof.trace.store import find_trace_files, open_capture
@@ -142,3 +142,14 @@ def test_engine_choice_refuses_nonsense():
         engines.choose("local", 2, "ray://head:10001")
     with pytest.raises(UsageError):
         engines.choose("dask", 2)
+
+
+def test_unreachable_cluster_is_one_line_at_once():
+    pytest.importorskip("ray")
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(AiprofError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}"):
+        engines.RayEngine(f"127.0.0.1:{port}")

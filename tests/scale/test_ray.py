@@ -70,7 +70,7 @@ with open(sys.argv[1], "a") as f:
     f.write("ran\\n")
 from aiprof.cli.main import main
 rc = main(["analyze", sys.argv[2], "--engine", "ray", "--workers", "2", "--json", "--out", sys.argv[3],
-           "--stats", sys.argv[4]])
+           "--stats", sys.argv[4], "--progress-file", sys.argv[5]])
 print("rc", rc, file=sys.stderr)
 """
 
@@ -80,8 +80,8 @@ def test_cli_on_ray_never_reruns_the_callers_main(ddp4_dir, tmp_path):
     level runs once, the JSON report is the in-process pipeline's, the stats are written."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    marker, out, stats = tmp_path / "ran.txt", tmp_path / "out", tmp_path / "stats.json"
-    p = subprocess.run([sys.executable, str(script), str(marker), str(ddp4_dir), str(out), str(stats)],
+    marker, out, stats, prog = tmp_path / "ran.txt", tmp_path / "out", tmp_path / "stats.json", tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(script), str(marker), str(ddp4_dir), str(out), str(stats), str(prog)],
                        check=False, capture_output=True, text=True, timeout=600)
     assert "rc 0" in p.stderr, p.stderr[-3000:]
     assert marker.read_text() == "ran\n"
@@ -90,3 +90,5 @@ def test_cli_on_ray_never_reruns_the_callers_main(ddp4_dir, tmp_path):
     assert [s["straggler_rank"] for s in rep["cross_rank"]["stragglers"]] == [2]
     st = json.loads(stats.read_text())
     assert st["engine"] == "ray" and st["ranks"] == 4 and st["worker_cpu_s"] > 0 and st["driver_peak_rss_mb"] > 0
+    assert json.loads(prog.read_text())["phases"] == {"starting ray": [1, 1], "ingest": [4, 4], "analyse": [4, 4],
+                                                      "stragglers": [1, 1]}

@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, metavar="N", help="CPUs of the local Ray aiprof starts (default: all)")
     p.add_argument("--stats", metavar="FILE", help="write the run's cost as JSON: engine, wall time, "
                                                   "driver peak RSS, driver and worker CPU")
+    p.add_argument("--progress-file", metavar="FILE", help="keep FILE updated with the progress as JSON "
+                                                          "(phase, done, total; what `aiprof server` shows)")
     p.set_defaults(func=run)
 
 
@@ -66,24 +68,67 @@ def _progress():
     return bar, update
 
 
+class ProgressFile:
+    """The progress as JSON in a file, replaced whole on each change (a reader never sees half a
+    file): ``{"engine", "ranks", "phase", "done", "total", "phases": {phase: [done, total]}}``;
+    at most every WRITE_EVERY_S seconds, and always when a phase completes."""
+
+    WRITE_EVERY_S = 0.5  # a thousand tasks finishing need not write a thousand files
+
+    def __init__(self, path: str, engine: str, ranks: int) -> None:
+        self.path, self.last = path, 0.0
+        self.state: dict = {"engine": engine, "ranks": ranks, "phase": "", "done": 0, "total": 0, "phases": {}}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        self.state.update(phase=phase, done=done, total=total)
+        self.state["phases"][phase] = [done, total]
+        now = time.monotonic()
+        if done < total and now - self.last < self.WRITE_EVERY_S:
+            return
+        self.last = now
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.state, f)
+        os.replace(tmp, self.path)
+
+
+def _both(*fns):
+    fns = [f for f in fns if f is not None]
+    if not fns:
+        return None
+    return lambda *a: [f(*a) for f in fns]
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     files = find_trace_files(args.paths)
     kind = engines.choose(args.engine, len(files), args.cluster)
+    pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
     eng = None
     if kind == "local":
+        if pfile:
+            pfile("ingest", 0, len(files))
         cap = open_capture(files, use_cache=not args.no_cache)
+        if pfile:
+            pfile("ingest", len(files), len(files))
+            pfile("analyse", 0, 1)
         report = build_report(cap, entry=args.entry, top=args.top)
+        if pfile:
+            pfile("analyse", 1, 1)
     else:
         from aiprof.scale.job_report import build_job_report
 
         bar, update = _progress()
+        if pfile:
+            pfile("starting ray", 0, 1)
         with engines.make("ray", args.cluster, args.workers) as eng:
+            if pfile:
+                pfile("starting ray", 1, 1)
             if bar is not None:
                 with bar:
-                    report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, update)
+                    report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, _both(update, pfile))
             else:
-                report = build_job_report(files, eng, args.entry, args.top, not args.no_cache)
+                report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, pfile)
         cap = None
     if args.stats:
         _write_stats(args.stats, kind, len(files), time.perf_counter() - t0, eng)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,9 @@ RAY_MIN_RANKS = JOINT_MAX_RANKS + 1
 # The embedded Ray's object store: the summaries are a few hundred kB per rank and the driver
 # fetches them as they complete, so a small store suffices (Ray's default takes 30 % of RAM).
 OBJECT_STORE_BYTES = 512 << 20
+# A cluster address must accept a connection within this long: Ray itself retries an address that
+# does not answer for minutes.
+CONNECT_TIMEOUT_S = 5.0
 # Each task is one rank: one CPU. Its ingest runs in the task's own process (no worker pool
 # per task: the engine already runs one task per CPU).
 TASK_CPUS = 1
@@ -145,6 +149,8 @@ class RayEngine:
         path = os.pathsep.join(p for p in (_aiprof_path(), os.environ.get("PYTHONPATH", "")) if p)
         env = {"env_vars": {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}}
         quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+        if address:
+            _reachable(address)
         try:
             if address:
                 # a cluster: its nodes have aiprof installed (docs/scale.md); our path is ours only
@@ -152,7 +158,7 @@ class RayEngine:
             else:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env,
                          object_store_memory=OBJECT_STORE_BYTES, **quiet)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
+        except (ConnectionError, RuntimeError, ValueError, ImportError) as exc:  # ray:// needs ray[client]
             where = f"the Ray cluster at {address}" if address else "a local Ray"
             raise AiprofError(f"cannot start {where}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
         self.owned = True
@@ -226,6 +232,19 @@ class RayEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _reachable(address: str) -> None:
+    """A one-line error at once when a cluster address (``ray://HOST:PORT`` or ``HOST:PORT``) does
+    not accept a connection; other forms ("auto", "local") are left to Ray."""
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise AiprofError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
 
 
 def _unwrap(exc: Exception) -> Exception:
