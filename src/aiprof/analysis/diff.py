@@ -194,7 +194,7 @@ def diff_profiles(base: StepProfile, cmp: StepProfile, top: int = 25) -> StepDif
     sign = 1 if delta >= 0 else -1
     bd, cd = max(base.duration_ns, 1), max(cmp.duration_ns, 1)
     items = []
-    for key in set(base.items) | set(cmp.items):
+    for key in sorted(set(base.items) | set(cmp.items)):  # sorted: the same report under any hash seed
         b, c = base.items.get(key), cmp.items.get(key)
         bt, ct = (b.time_ns if b else 0), (c.time_ns if c else 0)
         bc, cc = (b.calls if b else 0), (c.calls if c else 0)
@@ -206,7 +206,7 @@ def diff_profiles(base: StepProfile, cmp: StepProfile, top: int = 25) -> StepDif
     explained = sum(i.delta_us for i in items)
     items.sort(key=lambda i: -sign * i.delta_us)
     host = []
-    for key in set(base.host) | set(cmp.host):
+    for key in sorted(set(base.host) | set(cmp.host)):
         bt, bc = base.host.get(key, (0, 0))
         ct, cc = cmp.host.get(key, (0, 0))
         host.append(DiffItem(kind=key[0], name=key[1], delta_us=(ct - bt) / NS_PER_US, base_us=bt / NS_PER_US,

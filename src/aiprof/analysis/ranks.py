@@ -19,6 +19,7 @@ The ranks of one capture are compared with each other:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -555,16 +556,30 @@ def _diff_evidence(base: RankTrace, slow: RankTrace) -> dict:
     }
 
 
+def rank_host(rt: RankTrace) -> str:
+    """The host a rank ran on, as its trace names it ("" when it does not)."""
+    return rt.meta.get("host_name") or rt.meta.get("host") or ""
+
+
 def cross_rank(cap: Capture, reports: list, diff: bool = True, columns: dict | None = None) -> CrossRank:
     """Compare the ranks of a capture. ``reports`` are the per-rank RankReports, in cap.ranks order;
     ``columns`` receives the collective matching (see :func:`align_and_arrivals`) and each rank's
     :class:`RankCollectives` under ``"collectives"``."""
-    ranks = [rt.rank for rt in cap.ranks]
-    hosts = {rt.rank: rt.meta.get("host_name") or rt.meta.get("host") or "" for rt in cap.ranks}
-    world = cap.world_size
-    missing = sorted(set(range(world)) - set(ranks))
     colls = [rank_collectives(rt) for rt in cap.ranks]
-    al, arr = align_and_arrivals(colls, columns)
+    differs = (lambda base, slow: _diff_evidence(cap.rank(base), cap.rank(slow))) if diff else None
+    return cross_rank_of([rt.rank for rt in cap.ranks], {rt.rank: rank_host(rt) for rt in cap.ranks},
+                         cap.world_size, colls, reports, differs, columns)
+
+
+def cross_rank_of(ranks: list[int], hosts: dict, world: int, colls: list[RankCollectives], reports: list,
+                  differs: Callable[[int, int], dict] | None = None, columns: dict | None = None,
+                  matched: tuple[Alignment, Arrivals] | None = None) -> CrossRank:
+    """:func:`cross_rank` from per-rank summaries alone (ranks analysed elsewhere): the ranks in
+    order, their hosts, the world size, their collectives and RankReports. ``differs(base_rank,
+    slow_rank)`` gives a straggler's diff evidence (none when absent: the caller adds it);
+    ``matched`` is :func:`align_and_arrivals`'s result when the caller already has it."""
+    missing = sorted(set(range(world)) - set(ranks))
+    al, arr = matched if matched is not None else align_and_arrivals(colls, columns)
     if columns is not None:
         columns["collectives"] = {c.rank: c for c in colls}
     classes = class_matrix(reports)
@@ -616,8 +631,8 @@ def cross_rank(cap: Capture, reports: list, diff: bool = True, columns: dict | N
                 "base_rank": ranks[base_i], "by_class": by_class[:5], "missing_ranks": missing,
                 "clock": {"method": al.method, "offset_us": al.offset_us.get(r, 0.0), "spread_us": al.spread_us.get(r, 0.0)},
             }
-            if diff:
-                ev["differs"] = _diff_evidence(cap.ranks[base_i], cap.ranks[i])
+            if differs is not None:
+                ev["differs"] = differs(ranks[base_i], ranks[i])
             stragglers.append(ev)
             flags.setdefault(r, set()).add("straggler")
             for q in waiting:

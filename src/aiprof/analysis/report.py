@@ -29,6 +29,7 @@ from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.diagnosis import engine as diag_engine
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.analysis.timeseries import gpu_activity, memop_distribution
+from aiprof.diagnosis.graph import RankCollectives
 from aiprof.trace.store import Capture, RankTrace
 
 SCHEMA = "aiprof.report/2"
@@ -102,7 +103,10 @@ def _step_of(steps: Steps):
     return f
 
 
-def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankReport, RankFacts]:
+def _analyse_rank(rt: RankTrace, entry: str | None, top: int, colls: RankCollectives | None = None,
+                  offset_ns: float = 0.0) -> tuple[RankReport, RankFacts]:
+    """One rank's report and its diagnosis facts (with ``colls``: coupled to the other ranks'
+    recorded arrivals, see diagnosis.engine.rank_facts)."""
     steps = find_steps(rt, entry)
     lo, hi = window(rt)
     breakdown = step_breakdown(rt, steps)
@@ -136,7 +140,8 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int) -> tuple[RankRepor
         activity=gpu_activity(rt), memops=memop_distribution(rt),
         step_within=steps.within, serving=asdict(sv) if sv else None,
     )
-    facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes)
+    facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes,
+                                   colls=colls, offset_ns=offset_ns)
     facts.extra["serving"] = sv  # the serving causes read the iterations' phases and batches
     return rep, facts
 

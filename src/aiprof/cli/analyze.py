@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
+import resource
 import sys
+import time
 
 from aiprof.analysis.report import build_report
 from aiprof.report import json_report, text
-from aiprof.trace.store import open_capture
+from aiprof.scale import engines
+from aiprof.trace.store import find_trace_files, open_capture
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,12 +28,110 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                   "(when the trace has no ProfilerStep)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list (default 15)")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    p.add_argument("--engine", choices=engines.ENGINES, default="auto",
+                   help=f"where the ranks are analysed: local (this process), ray (rank by rank on Ray), "
+                        f"auto (Ray from {engines.RAY_MIN_RANKS} ranks or with --cluster; default)")
+    p.add_argument("--cluster", metavar="ADDRESS", help="analyse on this Ray cluster (ray://HOST:PORT; "
+                                                       "default: $RAY_ADDRESS, else a local Ray that aiprof starts)")
+    p.add_argument("--workers", type=int, metavar="N", help="CPUs of the local Ray aiprof starts (default: all)")
+    p.add_argument("--stats", metavar="FILE", help="write the run's cost as JSON: engine, wall time, "
+                                                  "driver peak RSS, driver and worker CPU")
+    p.add_argument("--progress-file", metavar="FILE", help="keep FILE updated with the progress as JSON "
+                                                          "(phase, done, total; what `aiprof server` shows)")
     p.set_defaults(func=run)
 
 
+def _progress():
+    """A progress callback drawing one bar per phase on stderr, or None when not wanted (stderr
+    not a terminal; $AIPROF_PROGRESS=always|never overrides)."""
+    mode = os.environ.get("AIPROF_PROGRESS", "auto")
+    if mode == "never" or (mode != "always" and not sys.stderr.isatty()):
+        return None, None
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=Console(stderr=True), transient=True)
+    ids: dict[str, int] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        if phase not in ids:
+            ids[phase] = bar.add_task(phase, total=total)
+        bar.update(ids[phase], completed=done)
+
+    return bar, update
+
+
+class ProgressFile:
+    """The progress as JSON in a file, replaced whole on each change (a reader never sees half a
+    file): ``{"engine", "ranks", "phase", "done", "total", "phases": {phase: [done, total]}}``;
+    at most every WRITE_EVERY_S seconds, and always when a phase completes."""
+
+    WRITE_EVERY_S = 0.5  # a thousand tasks finishing need not write a thousand files
+
+    def __init__(self, path: str, engine: str, ranks: int) -> None:
+        self.path, self.last = path, 0.0
+        self.state: dict = {"engine": engine, "ranks": ranks, "phase": "", "done": 0, "total": 0, "phases": {}}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        self.state.update(phase=phase, done=done, total=total)
+        self.state["phases"][phase] = [done, total]
+        now = time.monotonic()
+        if done < total and now - self.last < self.WRITE_EVERY_S:
+            return
+        self.last = now
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.state, f)
+        os.replace(tmp, self.path)
+
+
+def _both(*fns):
+    fns = [f for f in fns if f is not None]
+    if not fns:
+        return None
+    return lambda *a: [f(*a) for f in fns]
+
+
 def run(args: argparse.Namespace) -> int:
-    cap = open_capture(args.paths, use_cache=not args.no_cache)
-    report = build_report(cap, entry=args.entry, top=args.top)
+    t0 = time.perf_counter()
+    files = find_trace_files(args.paths)
+    kind = engines.choose(args.engine, len(files), args.cluster)
+    pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
+    eng = None
+    if kind == "local":
+        if pfile:
+            pfile("ingest", 0, len(files))
+        cap = open_capture(files, use_cache=not args.no_cache)
+        if pfile:
+            pfile("ingest", len(files), len(files))
+            pfile("analyse", 0, 1)
+        report = build_report(cap, entry=args.entry, top=args.top)
+        if pfile:
+            pfile("analyse", 1, 1)
+    else:
+        from aiprof.scale.job_report import build_job_report
+
+        bar, update = _progress()
+        if pfile:
+            pfile("starting ray", 0, 1)
+        with engines.make("ray", args.cluster, args.workers) as eng:
+            if pfile:
+                pfile("starting ray", 1, 1)
+            if bar is not None:
+                with bar:
+                    report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, _both(update, pfile))
+            else:
+                report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, pfile)
+        cap = None
+    if args.stats:
+        _write_stats(args.stats, kind, len(files), time.perf_counter() - t0, eng)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         json_report.write(report, os.path.join(args.out, "report.json"))
@@ -40,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         from aiprof.server.static_report import write as write_html
 
-        write_html(cap, args.html, report=report, entry=args.entry)
+        # the overview inlines every rank's timeline: read here from the stores (cached)
+        write_html(cap or open_capture(files), args.html, report=report, entry=args.entry)
     if args.json:
         sys.stdout.write(json_report.dumps(report) + "\n")
     else:
@@ -50,3 +153,18 @@ def run(args: argparse.Namespace) -> int:
         if args.html:
             print(f"wrote {args.html}")
     return 0
+
+
+def _write_stats(path: str, kind: str, n: int, wall_s: float, eng) -> None:
+    """The run's cost (docs/scale.md): the driver's own peak RSS and CPU, the tasks' CPU."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    st = eng.stats if eng is not None else None
+    out = {"engine": kind, "ranks": n, "wall_s": round(wall_s, 3),
+           "driver_peak_rss_mb": round(me.ru_maxrss / 1024.0, 1),  # Linux: kB
+           "driver_cpu_s": round(me.ru_utime + me.ru_stime, 3),
+           # in this process: the ingest workers it started; on Ray: the tasks' own CPU
+           "worker_cpu_s": round(st.worker_cpu_s if st else kids.ru_utime + kids.ru_stime, 3),
+           "phases": st.by_phase if st else {}}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)

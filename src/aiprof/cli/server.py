@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-s", type=float, default=1.0, metavar="S",
                    help="agents' heartbeat period (default 1 s; stretched automatically above 500 agents)")
     p.add_argument("--public-url", default=None, metavar="URL", help="base URL printed in links (default: as requested)")
+    p.add_argument("--cluster", default=None, metavar="ADDRESS",
+                   help="analyse captures on this Ray cluster (ray://HOST:PORT; default: on this machine, "
+                        "a local Ray from 65 ranks; docs/scale.md)")
     p.set_defaults(func=run)
 
 
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise AiprofError(f"--data {data}: {exc.strerror}") from None
     _check_bind(args.host, args.port)
-    app, svc = create_service(data, args.max_file_mb, args.heartbeat_s, args.public_url)
+    app, svc = create_service(data, args.max_file_mb, args.heartbeat_s, args.public_url, args.cluster)
 
     def announce(url: str) -> None:
         write_json(os.path.join(data, "server.json"), {"url": url, "pid": os.getpid(), "data": data})

@@ -19,7 +19,7 @@ from aiprof.analysis.steps import Steps
 from aiprof.diagnosis import causes as registry
 from aiprof.diagnosis.causes import grad_accum, straggler
 from aiprof.diagnosis.facts import RankFacts, calibrate_host
-from aiprof.diagnosis.graph import build_graph
+from aiprof.diagnosis.graph import RankCollectives, build_graph
 from aiprof.diagnosis.job import (
     JOINT_MAX_RANKS,
     attach_collectives,
@@ -72,11 +72,14 @@ def replay_window(steps: Steps, breakdown: list[StepBreakdown]) -> slice:
 
 def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree: HostTree, gaps: Gaps,
                runtime: RuntimeAnalysis, kernels: KernelAnalysis, comm: CommAnalysis, has_gpu: bool,
-               host_idle_by_class: dict, profiler: ProfilerCost = DEFAULT) -> RankFacts:
+               host_idle_by_class: dict, profiler: ProfilerCost = DEFAULT,
+               colls: RankCollectives | None = None, offset_ns: float = 0.0) -> RankFacts:
     """Assemble one rank's facts: the replay graph, deflated by the profiler's cost and scaled to
-    the unprofiled step time where the capture knows it, and its baseline replay."""
+    the unprofiled step time where the capture knows it, and its baseline replay. With ``colls``
+    (job.coupling) the graph waits at each collective for the others' recorded arrivals and is
+    calibrated on its own (a job too large for the joint replay, analysed rank by rank)."""
     sl = replay_window(steps, breakdown)
-    g = build_graph(rt, Steps(steps.number[sl], steps.start[sl], steps.end[sl], steps.source), profiler)
+    g = build_graph(rt, Steps(steps.number[sl], steps.start[sl], steps.end[sl], steps.source), profiler, colls)
     n = max(len(steps), 1)
     recorded = float(sum(s.duration_us for s in breakdown)) * NS_PER_US / n if breakdown else 0.0
     un = unprofiled_step_ms(rt)
@@ -90,7 +93,8 @@ def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree
     return RankFacts(rt=rt, steps=steps, breakdown=breakdown, tree=tree, gaps=gaps, graph=g, base=base, runtime=runtime,
                      kernels=kernels, comm=comm, has_gpu=has_gpu, recorded_step_ns=recorded,
                      unprofiled_step_ns=un * 1e6 if un else None, host_scale=scale,
-                     extra={"host_idle_by_class": host_idle_by_class, "outliers": outliers})
+                     extra={"host_idle_by_class": host_idle_by_class, "outliers": outliers,
+                            **({"offset_ns": offset_ns} if colls is not None else {})})
 
 
 class Pricer:
@@ -164,7 +168,7 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None) -> tuple[list[Caus
     return found, rank_symptoms(f)
 
 
-def _link(causes: list[Cause], symptoms: list[Symptom], facts_by_rank: dict[int, RankFacts]) -> None:
+def _link(causes: list[Cause], symptoms: list[Symptom]) -> None:
     """Attach each cause's claims to the symptoms; slow steps go to the causes whose fix saves
     most of the step's extra time."""
     by_key: dict[tuple, list[Symptom]] = {}
@@ -210,6 +214,24 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
         cs, ss = straggler.causes(facts, cross, causes, pricer)
         causes += cs
         symptoms += ss
+    return assemble(causes, symptoms, [baseline_entry(f, bool(coupled)) for f in facts])
+
+
+def baseline_entry(f: RankFacts, coupled: bool) -> dict:
+    """The report's ``baseline`` row of one rank: recorded, unprofiled and replayed step, scales."""
+    return {"rank": f.rank, "recorded_step_us": f.recorded_step_ns / NS_PER_US,
+            "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
+            "replayed_step_us": f.base.per_step_ns / NS_PER_US,
+            "profiler_cost_scale": f.host_scale[0], "host_scale": f.host_scale[1],
+            "profiler_cost_us": f.graph.deflated_ns / max(len(f.steps), 1) / NS_PER_US,
+            "coupled": bool(coupled),
+            "launch_latency_us": f.graph.launch_latency_ns / NS_PER_US}
+
+
+def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict]) -> dict:
+    """The report's ``causes``, ``symptoms`` and ``baseline`` from every rank's priced causes and
+    symptoms (in rank order): small causes dropped, ranked by saving, numbered, linked to the
+    symptoms they explain. Needs no facts, so causes found on other machines assemble the same."""
     causes = [c for c in causes if c.saving.get("share", 0.0) >= MIN_REPORTED_SHARE
               or c.evidence.get("always_reported")]
     causes.sort(key=lambda c: -c.saving.get("per_step_us", 0.0))
@@ -218,7 +240,7 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
         c.severity = severity_of(c.saving.get("share", 0.0))
     for i, s in enumerate(symptoms):
         s.id = f"{s.code}@{'job' if s.rank is None else s.rank}#{i}"
-    _link(causes, symptoms, {f.rank: f for f in facts})
+    _link(causes, symptoms)
     by_id = {c.id: c for c in causes}
     for s in symptoms:
         for e in s.explained_by:
@@ -230,13 +252,6 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
         d = cause_dict(c)
         d["symptoms"] = c.__dict__.get("_symptoms", [])
         out_causes.append(d)
-    baseline = [{"rank": f.rank, "recorded_step_us": f.recorded_step_ns / NS_PER_US,
-                 "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
-                 "replayed_step_us": f.base.per_step_ns / NS_PER_US,
-                 "profiler_cost_scale": f.host_scale[0], "host_scale": f.host_scale[1],
-                 "profiler_cost_us": f.graph.deflated_ns / max(len(f.steps), 1) / NS_PER_US,
-                 "coupled": bool(coupled),
-                 "launch_latency_us": f.graph.launch_latency_ns / NS_PER_US} for f in facts]
     return {"causes": out_causes,
             "symptoms": [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE}
                          for s in symptoms],

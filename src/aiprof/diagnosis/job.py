@@ -46,54 +46,83 @@ def _host_comm_ends(rt, start: np.ndarray, end: np.ndarray) -> np.ndarray:
     return out
 
 
-def attach_collectives(facts: list[RankFacts], columns: dict) -> bool:
-    """Rebuild each rank's graph with its matched collectives and recalibrate it; False when
-    the job has no matched collectives (the ranks are then priced independently)."""
+def comm_ends(rt, rc) -> np.ndarray:
+    """When each of the rank's collectives (an analysis.ranks.RankCollectives) ended its
+    communication: a host backend's from its calls (see :func:`_host_comm_ends`), else its end."""
+    return _host_comm_ends(rt, rc.start, rc.end) if rc.side == "cpu" else rc.end
+
+
+def coupling(columns: dict, ends: dict[int, np.ndarray]) -> dict[int, RankCollectives]:
+    """Each rank's matched collectives with the coupling facts: the other ranks' latest arrival
+    (on this rank's clock) and the transfer time (the fastest rank's start-to-end). ``columns``
+    is the cross-rank matching (analysis.ranks.align_and_arrivals) with each rank's collectives;
+    ``ends`` is :func:`comm_ends` per rank. Needs only these arrays, not the traces, so a driver
+    can compute it for ranks analysed elsewhere. Empty when fewer than two ranks match."""
     idx = columns.get("rank_index") or {}
     colls = columns.get("collectives") or {}
     off = columns.get("offset_ns") or {}
     if not idx or not colls:
-        return False
-    ranks = [f.rank for f in facts if f.rank in idx and f.rank in colls]
+        return {}
+    ranks = [r for r in ends if r in idx and r in colls]
     if len(ranks) < 2:
-        return False
+        return {}
     n_col = len(next(iter(idx.values())))
     start = np.full((len(ranks), n_col), np.nan)
     end = np.full((len(ranks), n_col), np.nan)
-    ends = {}
     for i, r in enumerate(ranks):
         ix = idx[r]
         ok = ix >= 0
-        rc = colls[r]
-        f = next(x for x in facts if x.rank == r)
-        ends[r] = _host_comm_ends(f.rt, rc.start, rc.end) if rc.side == "cpu" else rc.end
-        start[i, ok] = rc.start[ix[ok]] + off.get(r, 0.0)
+        start[i, ok] = colls[r].start[ix[ok]] + off.get(r, 0.0)
         end[i, ok] = ends[r][ix[ok]] + off.get(r, 0.0)
     with np.errstate(invalid="ignore"):
         transfer = np.nanmin(end - start, axis=0)
+    # the latest arrival of the others: the column's latest, or its second latest for the rank
+    # that arrived latest (one pass for all ranks: a thousand ranks cannot each copy the matrix)
+    filled = np.where(np.isnan(start), -np.inf, start)
+    top = np.argmax(filled, axis=0) if len(ranks) else np.zeros(n_col, np.int64)
+    first = filled[top, np.arange(n_col)]
+    second = np.partition(filled, -2, axis=0)[-2]
+    out = {}
     for i, r in enumerate(ranks):
-        f = next(x for x in facts if x.rank == r)
         ix = idx[r]
         ok = np.nonzero(ix >= 0)[0]
-        others = np.delete(start, i, axis=0)
-        with np.errstate(invalid="ignore"):
-            latest = np.nanmax(others, axis=0) if len(others) else np.full(n_col, np.nan)
+        latest = np.where(top == i, second, first)
+        latest = np.where(np.isfinite(latest), latest, np.nan)
         have = ok[~np.isnan(latest[ok]) & ~np.isnan(transfer[ok])]
         rc = colls[r]
-        rcol = RankCollectives(ids=have.astype(np.int64), start=rc.start[ix[have]], end=ends[r][ix[have]],
-                               host=rc.side == "cpu",
-                               others={int(c): float(latest[c] - off.get(r, 0.0)) for c in have},
-                               transfer={int(c): float(max(transfer[c], 0.0)) for c in have})
-        f.graph = build_graph(f.rt, window_steps(f), f.graph.profiler, rcol)
-        f.extra["offset_ns"] = off.get(r, 0.0)
-    coupled = [f for f in facts if f.rank in ranks]
+        out[r] = RankCollectives(ids=have.astype(np.int64), start=rc.start[ix[have]], end=ends[r][ix[have]],
+                                 host=rc.side == "cpu",
+                                 others={int(c): float(latest[c] - off.get(r, 0.0)) for c in have},
+                                 transfer={int(c): float(max(transfer[c], 0.0)) for c in have})
+    return out
+
+
+def attach_collectives(facts: list[RankFacts], columns: dict) -> bool:
+    """Rebuild each rank's graph with its matched collectives and recalibrate it; False when
+    the job has no matched collectives (the ranks are then priced independently)."""
+    colls = columns.get("collectives") or {}
+    ends = {f.rank: comm_ends(f.rt, colls[f.rank]) for f in facts if f.rank in colls}
+    rcols = coupling(columns, ends)
+    if not rcols:
+        return False
+    off = columns.get("offset_ns") or {}
+    for f in facts:
+        if f.rank in rcols:
+            f.graph = build_graph(f.rt, window_steps(f), f.graph.profiler, rcols[f.rank])
+            f.extra["offset_ns"] = off.get(f.rank, 0.0)
+    settle([f for f in facts if f.rank in rcols])
+    return True
+
+
+def settle(coupled: list[RankFacts]) -> None:
+    """Calibrate coupled ranks together (to the median of their unprofiled steps, where known)
+    and set each one's baseline to the joint replay."""
     targets = [f.unprofiled_step_ns for f in coupled if f.unprofiled_step_ns]
     scale = calibrate_joint(coupled, float(np.median(targets))) if targets else (1.0, 1.0)
     res = joint_replay(coupled)
     for f in coupled:
         f.host_scale = scale
         f.base = res[f.rank]
-    return True
 
 
 def calibrate_joint(facts: list[RankFacts], target_step_ns: float) -> tuple[float, float]:

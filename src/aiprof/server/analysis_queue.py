@@ -3,7 +3,9 @@
 A capture is ``uploaded`` once every expected rank's meta.json arrived or reported a failure
 (or at its deadline, with what arrived); with ``auto_analyze`` the analysis follows. Analysis
 runs ``aiprof analyze`` in a child process, one at a time: the event loop never holds the GIL
-for seconds, and a crash in analysis cannot take the server down.
+for seconds, and a crash in analysis cannot take the server down. A large job is analysed rank
+by rank on Ray by that child (a local Ray, or the server's ``--cluster``; docs/scale.md); it
+keeps ``report/progress.json`` up to date, which the capture's state shows while it runs.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from aiprof.server.context import ServiceContext
 from aiprof.server.store import read_json
 
 ANALYSIS_TIMEOUT_S = 1800
+PROGRESS_FILE = "progress.json"  # in the capture's report folder, written by `aiprof analyze --progress-file`
 
 
 def implicit_ranks(metas: dict[int, dict]) -> list[int] | None:
@@ -36,8 +39,9 @@ def implicit_ranks(metas: dict[int, dict]) -> list[int] | None:
 class AnalysisQueue:
     """Watches captures still waiting for ranks and runs their analyses (one child at a time)."""
 
-    def __init__(self, ctx: ServiceContext, on_analysed: Callable[[str], None]) -> None:
+    def __init__(self, ctx: ServiceContext, on_analysed: Callable[[str], None], cluster: str | None = None) -> None:
         self.ctx = ctx
+        self.cluster = cluster
         self.data = ctx.data
         self.on_analysed = on_analysed  # e.g. drop a UI app that shows the old report
         self.analysing: set[str] = set()
@@ -122,10 +126,14 @@ class AnalysisQueue:
                 if not files:
                     err = "no complete rank to analyse"
                 else:
+                    progress = os.path.join(out, PROGRESS_FILE)
+                    if os.path.exists(progress):
+                        os.unlink(progress)  # an earlier analysis's
+                    extra = ["--cluster", self.cluster] if self.cluster else []
                     with open(os.path.join(out, "analyze.log"), "wb") as log:
                         proc = await asyncio.create_subprocess_exec(
-                            sys.executable, "-m", "aiprof", "analyze", *files, "--out", out,
-                            stdout=log, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                            sys.executable, "-m", "aiprof", "analyze", *files, "--out", out, "--progress-file",
+                            progress, *extra, stdout=log, stderr=log, env=dict(os.environ, PYTHONUNBUFFERED="1"))
                         try:
                             rc = await asyncio.wait_for(proc.wait(), ANALYSIS_TIMEOUT_S)
                         except asyncio.TimeoutError:

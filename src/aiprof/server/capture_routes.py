@@ -7,10 +7,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from aiprof import __version__
-from aiprof.server.analysis_queue import AnalysisQueue
+from aiprof.server.analysis_queue import PROGRESS_FILE, AnalysisQueue
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError
-from aiprof.server.store import safe_name
+from aiprof.server.store import read_json, safe_name
 
 CAPTURES_LISTED = 500
 LIST_FIELDS = ("capture_id", "job", "created", "state", "expected", "received", "missing", "aligned", "source",
@@ -39,6 +39,10 @@ class CaptureRoutes:
             raise HTTPError(404, f"no capture {cid}")
         st["files"] = {str(r): f for r, f in self.data.uploaded_ranks(cid).items()}
         st["url"] = self.ctx.url(req, f"/captures/{cid}/")
+        if st.get("state") == "analysing":  # how far the analysis is: phase, done, total (docs/scale.md)
+            progress = read_json(os.path.join(self.data.capture_dir(cid), "report", PROGRESS_FILE))
+            if progress:
+                st.setdefault("analysis", {})["progress"] = progress
         return JSONResponse(st)
 
     async def analyze(self, req: Request) -> Response:

@@ -52,12 +52,12 @@ class Service:
     """The service's parts over one :class:`ServiceContext`, and the ticker that drives them."""
 
     def __init__(self, data_dir: str, max_file_mb: int = DEFAULT_MAX_FILE_MB, interval_s: float = 1.0,
-                 public_url: str | None = None) -> None:
+                 public_url: str | None = None, cluster: str | None = None) -> None:
         self.ctx = ServiceContext(data_dir, max_file_mb, interval_s, public_url)
         self.token = self.ctx.token
         self.stats = self.ctx.stats
         self.pages = Pages(self.ctx)
-        self.queue = AnalysisQueue(self.ctx, on_analysed=self.pages.forget)
+        self.queue = AnalysisQueue(self.ctx, on_analysed=self.pages.forget, cluster=cluster)
         self.coordination = JobCoordination(self.ctx, self.queue)
         self.agents = AgentRoutes(self.ctx, self.queue)
         self.uploads = UploadRoutes(self.ctx, self.queue)
@@ -114,9 +114,10 @@ class Service:
 
 
 def create_service(data_dir: str, max_file_mb: int = DEFAULT_MAX_FILE_MB, interval_s: float = 1.0,
-                   public_url: str | None = None) -> tuple[Any, Service]:
-    """The ASGI app of the service (token middleware outermost) and its :class:`Service`."""
-    svc = Service(data_dir, max_file_mb, interval_s, public_url)
+                   public_url: str | None = None, cluster: str | None = None) -> tuple[Any, Service]:
+    """The ASGI app of the service (token middleware outermost) and its :class:`Service`;
+    ``cluster``: the Ray cluster its analyses run on (docs/scale.md)."""
+    svc = Service(data_dir, max_file_mb, interval_s, public_url, cluster)
     app = Starlette(routes=svc.routes(), lifespan=svc.lifespan)
 
     async def root(scope: dict, receive: Any, send: Any) -> None:

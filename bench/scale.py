@@ -1,0 +1,203 @@
+"""Scale-out benchmark: `aiprof analyze` on N-rank captures, Ray engine vs the in-process path.
+
+Builds an N-rank capture from the real multi-rank traces in tests/data: every rank is a copy of
+one of the job's normal ranks (cycling through them), time-shifted by its own clock offset and
+stretched by its own clock drift (per-rank jitter), except one rank, a copy of the job's real
+straggler, placed at rank ``N - 3``. Then, each run in a fresh process (`aiprof analyze --json
+--stats`, cold: --no-cache):
+
+- ``ray``: the embedded local Ray (aiprof starts it) with each of --workers CPUs
+- ``local``: the in-process path (the baseline; skipped above --local-max ranks)
+
+and prints wall time, the driver's peak RSS, the CPU the work took (Ray: summed over tasks;
+in-process: the driver's), all processes' CPU as reaped, and whether the straggler is named
+(the cross-rank analysis names exactly it, and the top cause is on it). Templates:
+
+- ``ddp4``: tests/data/ddp4_slow2_rank{0..3} (4.4 MB JSON, 17.7 k events per rank; rank 2 is
+  the straggler: 40 extra matmuls per step)
+- ``ddp2``: tests/data/ddp2_slow1_rank{0,1} (29 MB JSON, 97 k events per rank; rank 1 is the
+  straggler: 60 extra matmuls per step)
+
+Usage::
+
+    python bench/scale.py                                   # ddp4, N = 8, 64, 256, 1024
+    python bench/scale.py --ranks 1024 --workers 4,8,16 --local-max 0    # scaling with workers
+    python bench/scale.py --template ddp2 --ranks 1024 --local-max 0 --out $OUT   # ~30 MB ranks
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data"
+TEMPLATES = {
+    "ddp4": {"normal": [DATA / f"ddp4_slow2_rank{r}.json.gz" for r in (0, 1, 3)],
+             "straggler": DATA / "ddp4_slow2_rank2.json.gz"},
+    "ddp2": {"normal": [DATA / "ddp2_slow1_rank0.json.gz"], "straggler": DATA / "ddp2_slow1_rank1.json.gz"},
+}
+CLOCK_OFFSET_US = 20_000.0  # each rank's clock is off by up to ±20 ms (hosts synchronised by NTP)
+CLOCK_DRIFT = 2e-4  # and runs up to ±200 ppm fast or slow (per-rank jitter: ±10 µs over a 50 ms window)
+_TIME = re.compile(rb'"(ts|dur)": (-?[0-9]+(?:\.[0-9]+)?)')
+
+
+def _template_text(path: Path, world: int) -> tuple[bytes, float]:
+    """The trace as JSON bytes with the rank as a placeholder and the world size set; and its
+    first timestamp (µs)."""
+    with gzip.open(path) as f:
+        doc = json.load(f)
+    dist = doc.setdefault("distributedInfo", {})
+    dist["rank"] = "__RANK__"
+    dist["world_size"] = world
+    for pg in dist.get("pg_config") or []:
+        pg["pg_size"], pg["ranks"] = world, list(range(world))
+    t0 = min(float(e["ts"]) for e in doc["traceEvents"] if "ts" in e)
+    return json.dumps(doc).encode(), t0
+
+
+def _write_rank(args: tuple) -> None:
+    """One synthetic rank: the template with its own clock offset and drift."""
+    text, t0, rank, offset_us, drift, out = args
+
+    def shift(m: re.Match) -> bytes:
+        v = float(m.group(2))
+        v = t0 + (v - t0) * (1 + drift) + offset_us if m.group(1) == b"ts" else v * (1 + drift)
+        return b'"' + m.group(1) + b'": ' + f"{v:.3f}".encode()
+
+    body = _TIME.sub(shift, text).replace(b'"__RANK__"', str(rank).encode())
+    tmp = out.with_suffix(".tmp")
+    with gzip.open(tmp, "wb", compresslevel=1) as f:
+        f.write(body)
+    os.replace(tmp, out)
+
+
+def build(template: str, n: int, work: Path, seed: int = 0, procs: int | None = None) -> tuple[Path, int]:
+    """The N-rank capture folder (reused when already built with the same spec) and its straggler."""
+    straggler = max(n - 3, 0)
+    d = work / f"{template}_n{n}"
+    spec = {"template": template, "ranks": n, "seed": seed, "straggler": straggler,
+            "offset_us": CLOCK_OFFSET_US, "drift": CLOCK_DRIFT}
+    spec_path = d / "spec.txt"  # not a trace: aiprof reads *.json(.gz) only
+    if spec_path.exists() and json.loads(spec_path.read_text()) == spec:
+        return d, straggler
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    t = TEMPLATES[template]
+    texts = {p: _template_text(p, n) for p in [*t["normal"], t["straggler"]]}
+    rng = random.Random(seed)
+    jobs = []
+    for r in range(n):
+        src = t["straggler"] if r == straggler else t["normal"][r % len(t["normal"])]
+        text, t0 = texts[src]
+        jobs.append((text, t0, r, rng.uniform(-CLOCK_OFFSET_US, CLOCK_OFFSET_US),
+                     rng.uniform(-CLOCK_DRIFT, CLOCK_DRIFT), d / f"rank{r:05d}.json.gz"))
+    with ProcessPoolExecutor(max_workers=procs or os.cpu_count()) as ex:
+        list(ex.map(_write_rank, jobs, chunksize=4))
+    spec_path.write_text(json.dumps(spec))
+    return d, straggler
+
+
+def _rm_stores(d: Path) -> None:
+    for p in d.glob("*.aiprof"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int) -> dict:
+    """`aiprof analyze` on the capture in a fresh process; its figures."""
+    stats, report = d / f"stats-{engine}.txt", d / f"report-{engine}.txt"
+    _rm_stores(d)  # cold: no store from an earlier run (--no-cache re-parses anyway)
+    cmd = [sys.executable, "-c", "import sys; from aiprof.cli.main import main; sys.exit(main())", "analyze", str(d),
+           "--engine", engine, "--json",
+           "--no-cache", "--stats", str(stats)]
+    if workers and engine == "ray":
+        cmd += ["--workers", str(workers)]
+    env = dict(os.environ, AIPROF_PROGRESS="never", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    try:
+        with open(report, "wb") as out:
+            p = subprocess.run(cmd, stdout=out, stderr=subprocess.PIPE, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"engine": engine, "error": f"over {timeout} s"}
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if p.returncode != 0:
+        return {"engine": engine, "error": p.stderr.decode(errors="replace").strip().splitlines()[-1:]}
+    st = json.loads(stats.read_text())
+    with open(report, "rb") as f:
+        rep = json.load(f)
+    named = [s["straggler_rank"] for s in (rep.get("cross_rank") or {}).get("stragglers", [])]
+    top = rep["causes"][0] if rep["causes"] else {}
+    _rm_stores(d)
+    return {"engine": engine, "wall_s": round(wall, 2), "driver_peak_rss_mb": st["driver_peak_rss_mb"],
+            "work_cpu_s": round(st["worker_cpu_s"] if engine == "ray" else st["driver_cpu_s"] + st["worker_cpu_s"], 1),
+            "driver_cpu_s": st["driver_cpu_s"],
+            "all_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
+            "phases": st.get("phases", {}), "stragglers_named": named,
+            "top_cause": f"{top.get('code')}@{top.get('rank')} {100 * top.get('saving', {}).get('share', 0):.1f}%",
+            "straggler_named": named == [straggler] and top.get("rank") == straggler,
+            "report_mb": round(report.stat().st_size / 1e6, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--template", choices=sorted(TEMPLATES), default="ddp4")
+    ap.add_argument("--ranks", default="8,64,256,1024", help="comma-separated rank counts")
+    ap.add_argument("--local-max", type=int, default=256, help="largest N also run in-process (the baseline)")
+    ap.add_argument("--workers", default="", help="CPUs of the local Ray, comma-separated to compare (default: all)")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per run")
+    ap.add_argument("--work", default=str(ROOT / "bench" / "out" / "scale"), help="where captures are built")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="also write results.json here")
+    ap.add_argument("--keep", action="store_true", help="keep the built captures (reused by the next run)")
+    args = ap.parse_args()
+    work = Path(args.work)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    sweep = [int(w) for w in args.workers.split(",") if w] or [None]
+    print(f"template {args.template}; {cpus} CPUs; Ray workers: {args.workers or cpus}; load {os.getloadavg()[0]:.1f}",
+          flush=True)
+    results = []
+    for n in (int(x) for x in args.ranks.split(",")):
+        t0 = time.perf_counter()
+        d, straggler = build(args.template, n, work)
+        size = sum(p.stat().st_size for p in d.glob("*.json.gz"))
+        print(f"\nN={n}: built {d} ({size / 1e6:.0f} MB gz) in {time.perf_counter() - t0:.0f} s; "
+              f"straggler rank {straggler}", flush=True)
+        for engine, workers in [("ray", w) for w in sweep] + [("local", None)]:
+            if engine == "local" and n > args.local_max:
+                print(f"  local   : skipped (N > --local-max {args.local_max})")
+                continue
+            r = run(d, engine, straggler, workers, args.timeout)
+            r.update(ranks=n, template=args.template, gz_mb=round(size / 1e6), cpus=cpus,
+                     ray_workers=(workers or cpus) if engine == "ray" else None)
+            results.append(r)
+            label = f"{engine}/{workers or cpus}" if engine == "ray" else engine
+            if "error" in r:
+                print(f"  {label:8s}: FAILED {r['error']}", flush=True)
+                continue
+            print(f"  {label:8s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
+                  f"work CPU {r['work_cpu_s']:7.1f} s  all CPU {r['all_cpu_s']:7.1f} s  "
+                  f"straggler named: {r['straggler_named']} ({r['top_cause']})  report {r['report_mb']} MB",
+                  flush=True)
+        if not args.keep:
+            shutil.rmtree(d, ignore_errors=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scale_results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

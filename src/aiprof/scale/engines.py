@@ -1,0 +1,275 @@
+"""Where the per-rank tasks run: this process, an embedded local Ray, or a Ray cluster.
+
+An engine maps a task function over a list of argument tuples and yields each result as it
+completes, with its index. Ray is started by aiprof itself when no cluster is named (nothing to
+install or start by hand) and stopped when the analysis ends; a Ray already initialised by the
+caller is used as it is and left running.
+
+Ray's workers import the task functions from :mod:`aiprof.scale.tasks` by name: they never run
+the caller's ``__main__`` (a script without an ``if __name__ == "__main__":`` guard is safe).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from aiprof import __version__
+from aiprof.diagnosis.job import JOINT_MAX_RANKS
+from aiprof.errors import AiprofError, UsageError
+
+# Ranks from which `aiprof analyze` uses Ray by default: up to JOINT_MAX_RANKS the joint replay
+# prices causes across ranks, and it needs every rank in one process.
+RAY_MIN_RANKS = JOINT_MAX_RANKS + 1
+# The embedded Ray's object store: the summaries are a few hundred kB per rank and the driver
+# fetches them as they complete, so a small store suffices (Ray's default takes 30 % of RAM).
+OBJECT_STORE_BYTES = 512 << 20
+# A cluster address must accept a connection within this long: Ray itself retries an address that
+# does not answer for minutes.
+CONNECT_TIMEOUT_S = 5.0
+# Each task is one rank: one CPU. Its ingest runs in the task's own process (no worker pool
+# per task: the engine already runs one task per CPU).
+TASK_CPUS = 1
+# auto: Ray from RAY_MIN_RANKS ranks; local: this process (the joint replay); ray: Ray always.
+ENGINES = ("auto", "local", "ray")
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass
+class EngineStats:
+    """What the tasks cost: CPU seconds summed over tasks, per phase, and the task count."""
+
+    worker_cpu_s: float = 0.0
+    tasks: int = 0
+    by_phase: dict = field(default_factory=dict)  # phase -> {"tasks", "cpu_s", "wall_s"}
+
+    def add(self, phase: str, cpu_s: float) -> None:
+        p = self.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})
+        p["tasks"] += 1
+        p["cpu_s"] += cpu_s
+        self.tasks += 1
+        self.worker_cpu_s += cpu_s
+
+
+@dataclass
+class _Failed:
+    """An aiprof error a task raised, sent back as a value (its message is what the user sees;
+    an exception's own pickling may not survive the trip)."""
+
+    message: str
+    exit_code: int
+
+
+def _timed(fn: Callable, args: tuple) -> tuple[object, float, str]:
+    """Run one task; return its result, the CPU seconds it took and the node it ran on."""
+    os.environ["AIPROF_INGEST_WORKERS"] = "1"  # in a Ray worker: one task per CPU already
+    t0 = time.process_time()
+    try:
+        out = fn(*args)
+    except AiprofError as exc:
+        out = _Failed(str(exc), exc.exit_code)
+    node = ""
+    if "ray" in sys.modules:
+        import ray
+
+        if ray.is_initialized():
+            node = ray.get_runtime_context().get_node_id()
+    return out, time.process_time() - t0, node
+
+
+class SerialEngine:
+    """Runs every task in this process, one after the other: the reference the Ray engine is
+    tested against, and a way to run the per-rank analysis without Ray."""
+
+    name = "serial"
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+        self.nodes: dict[int, str] = {}
+
+    def map(self, phase: str, fn: Callable, calls: Sequence[tuple], progress: Progress | None = None,
+            nodes: Sequence[str] | None = None) -> Iterator[tuple[int, object]]:
+        t0 = time.perf_counter()
+        for i, args in enumerate(calls):
+            c0 = time.process_time()
+            out = fn(*args)
+            self.stats.add(phase, time.process_time() - c0)
+            if progress:
+                progress(phase, i + 1, len(calls))
+            yield i, out
+        self.stats.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})["wall_s"] += \
+            time.perf_counter() - t0
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> SerialEngine:  # noqa: PYI034 - not subclassed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise AiprofError("the Ray engine needs the ray package (pip install 'ray>=2.9'); "
+                          "or analyse in this process with --engine local") from None
+    return ray
+
+
+def _aiprof_path() -> str:
+    """The folder aiprof is imported from, so that Ray's workers import the same aiprof."""
+    import aiprof
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(aiprof.__file__)))
+
+
+class RayEngine:
+    """Runs the tasks on Ray: a cluster when ``address`` (or $RAY_ADDRESS) names one, else a
+    local Ray that this engine starts and stops. ``cpus`` caps the local Ray's CPUs."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, cpus: int | None = None) -> None:
+        ray = self.ray = _import_ray()
+        self.stats = EngineStats()
+        self.owned = False
+        self._remote = ray.remote(num_cpus=TASK_CPUS)(_timed)
+        if ray.is_initialized():
+            return
+        address = address or os.environ.get("RAY_ADDRESS") or None
+        # workers import aiprof from where this process does (an editable install, PYTHONPATH=src)
+        path = os.pathsep.join(p for p in (_aiprof_path(), os.environ.get("PYTHONPATH", "")) if p)
+        env = {"env_vars": {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}}
+        quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+        if address:
+            _reachable(address)
+        try:
+            if address:
+                # a cluster: its nodes have aiprof installed (docs/scale.md); our path is ours only
+                ray.init(address=address, **quiet)
+            else:
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env,
+                         object_store_memory=OBJECT_STORE_BYTES, **quiet)
+        except (ConnectionError, RuntimeError, ValueError, ImportError) as exc:  # ray:// needs ray[client]
+            where = f"the Ray cluster at {address}" if address else "a local Ray"
+            raise AiprofError(f"cannot start {where}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        self.owned = True
+        if address:
+            self._check_version()
+
+    def _check_version(self) -> None:
+        """A cluster's workers must run this aiprof: another version would summarise differently."""
+        import aiprof
+
+        ver = self.ray.get(self.ray.remote(num_cpus=0)(lambda: __import__("aiprof").__version__).remote())
+        if ver != aiprof.__version__:
+            raise AiprofError(f"the Ray cluster's workers run aiprof {ver}, this is {__version__}: install the same version")
+
+    @property
+    def cpus(self) -> int:
+        return int(self.ray.cluster_resources().get("CPU", 1))
+
+    def map(self, phase: str, fn: Callable, calls: Sequence[tuple], progress: Progress | None = None,
+            nodes: Sequence[str] | None = None) -> Iterator[tuple[int, object]]:
+        """Submit every call; yield (index, result) as each completes. ``nodes``: the node each
+        call should prefer (where its rank's store was written), if the cluster has several."""
+        ray = self.ray
+        t0 = time.perf_counter()
+        many_nodes = nodes is not None and len({n for n in nodes if n}) > 1
+        refs = {}
+        for i, args in enumerate(calls):
+            opts = {}
+            if many_nodes and nodes[i]:
+                from ray.util.scheduling_strategies import (
+                    NodeAffinitySchedulingStrategy,
+                )
+
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[i], soft=True)
+            refs[self._remote.options(**opts).remote(fn, args)] = i
+        self.nodes: dict[int, str] = {}
+        pending = list(refs)
+        done_n = 0
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                for ref in ready:
+                    i = refs.pop(ref)
+                    try:
+                        out, cpu, node = ray.get(ref)
+                    except ray.exceptions.RayTaskError as exc:
+                        raise _unwrap(exc) from None
+                    if isinstance(out, _Failed):
+                        err = AiprofError(out.message)
+                        err.exit_code = out.exit_code
+                        raise err
+                    self.stats.add(phase, cpu)
+                    self.nodes[i] = node
+                    done_n += 1
+                    if progress:
+                        progress(phase, done_n, len(calls))
+                    yield i, out
+        finally:
+            for ref in pending:  # leaving early (an error, Ctrl-C): stop what is still queued
+                ray.cancel(ref, force=True)
+            self.stats.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})["wall_s"] += \
+                time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.owned:
+            self.ray.shutdown()
+            self.owned = False
+
+    def __enter__(self) -> RayEngine:  # noqa: PYI034 - not subclassed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reachable(address: str) -> None:
+    """A one-line error at once when a cluster address (``ray://HOST:PORT`` or ``HOST:PORT``) does
+    not accept a connection; other forms ("auto", "local") are left to Ray."""
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise AiprofError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc}") from None
+
+
+def _unwrap(exc: Exception) -> Exception:
+    """The error a task raised, as the CLI shows it: aiprof's own errors as they are (one line),
+    a worker that cannot import aiprof as what to install."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, AiprofError):
+        return cause
+    if isinstance(cause, ModuleNotFoundError) and (cause.name or "").startswith("aiprof"):
+        return AiprofError(f"the Ray workers cannot import aiprof ({cause}): install aiprof {__version__} on every node")
+    return exc
+
+
+def choose(engine: str, n_files: int, cluster: str | None = None) -> str:
+    """"local" (this process) or "ray": ``engine`` as given; for "auto", Ray when ``cluster`` is
+    named (--cluster) or from RAY_MIN_RANKS ranks ($RAY_ADDRESS only says which Ray to use)."""
+    if engine not in ENGINES:
+        raise UsageError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if cluster and engine == "local":
+        raise UsageError("--cluster names a Ray cluster: it does not go with --engine local")
+    if engine != "auto":
+        return engine
+    return "ray" if cluster or n_files >= RAY_MIN_RANKS else "local"
+
+
+def make(engine: str, address: str | None = None, cpus: int | None = None) -> SerialEngine | RayEngine:
+    """An engine for the per-rank analysis by name: "ray" or "serial"."""
+    return RayEngine(address, cpus) if engine == "ray" else SerialEngine()

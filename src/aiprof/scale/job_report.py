@@ -1,0 +1,144 @@
+"""The driver of a scaled-out analysis: per-rank tasks on an engine, the report from summaries.
+
+1. **Ingest** (one task per trace file): the rank's store, its collectives.
+2. **Match** (driver): the collectives across ranks, clock offsets, arrivals
+   (analysis.ranks.align_and_arrivals) and each rank's coupling (diagnosis.job.coupling).
+3. **Analyse** (one task per rank): the rank's report section, its causes priced on its own
+   replay (waiting at collectives for the others' recorded arrivals), its symptoms.
+4. **Compare** (driver): stragglers and abnormal workers from the summaries
+   (analysis.ranks.cross_rank_of).
+5. **Stragglers** (one task each, on the straggler and its base rank): the diff evidence and
+   the straggler's cause.
+6. **Assemble** (driver): causes ranked and linked to symptoms (diagnosis.engine.assemble).
+
+The driver holds the summaries only: each rank's report section (tens of kB), its collectives'
+times and its causes and symptoms. The report has the same schema as the in-process one.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import numpy as np
+
+from aiprof import __version__
+from aiprof.analysis.breakdown import StepBreakdown
+from aiprof.analysis.ranks import align_and_arrivals, cross_rank_of
+from aiprof.analysis.report import SCHEMA, RankReport
+from aiprof.diagnosis import engine as diag
+from aiprof.diagnosis.job import coupling
+from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Claim
+from aiprof.errors import TraceError
+from aiprof.scale import tasks
+from aiprof.scale.engines import Progress, RayEngine, SerialEngine
+
+
+def _rank_view(d: dict) -> RankReport:
+    """A RankReport over a report dict, as the cross-rank comparison reads it (steps as objects)."""
+    return RankReport(**{**d, "steps": [StepBreakdown(**s) for s in d["steps"]]})
+
+
+def _comm_us(d: dict) -> float:
+    return float(sum(s["communication_us"] for s in d["steps"]))
+
+
+def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, entry: str | None = None,
+                     top: int = 15, use_cache: bool = True, progress: Progress | None = None) -> dict:
+    """The report (schema aiprof.report/2) of the ranks in ``files``, analysed on ``engine``."""
+    # 1. ingest
+    ing: list[tasks.Ingested] = [None] * len(files)  # type: ignore[list-item]
+    for i, out in engine.map("ingest", tasks.ingest_rank, [(f, k, use_cache) for k, f in enumerate(files)], progress):
+        ing[i] = out
+    nodes = [getattr(engine, "nodes", {}).get(i, "") for i in range(len(files))]
+    seen: dict[int, tasks.Ingested] = {}
+    for x in ing:
+        if x.rank in seen:
+            raise TraceError(x.source, f"rank {x.rank} appears twice (also in {seen[x.rank].source})")
+        seen[x.rank] = x
+    order = sorted(range(len(ing)), key=[x.rank for x in ing].__getitem__)
+    ing = [ing[k] for k in order]
+    nodes = [nodes[k] for k in order]
+    ranks = [x.rank for x in ing]
+    world = max([x.world_size for x in ing] + [len(ing)])
+    multi = len(ing) >= 2
+    # 2. match collectives across ranks; each rank's coupling
+    colls = [x.collectives for x in ing]
+    columns: dict = {}
+    matched = align_and_arrivals(colls, columns) if multi else None
+    columns["collectives"] = {c.rank: c for c in colls}
+    rcols = coupling(columns, {x.rank: x.comm_end for x in ing}) if multi else {}
+    off = columns.get("offset_ns") or {}
+    inputs = {x.rank: tasks.RankInput(x.source, x.index, rcols.get(x.rank), float(off.get(x.rank, 0.0))) for x in ing}
+    coupled = bool(rcols)
+    pick = partners(ranks, matched[1].waited_us if matched else {}, rcols)
+    token = uuid.uuid4().hex
+    # 3. analyse each rank
+    res: list[tasks.Analysed] = [None] * len(ing)  # type: ignore[list-item]
+    calls = [(inputs[r], inputs.get(pick.get(r)), entry, top, token, coupled and r == ranks[0]) for r in ranks]
+    for i, out in engine.map("analyse", tasks.analyse_rank, calls, progress, nodes):
+        res[i] = out
+    reports = [r.report for r in res]
+    # 4. compare the ranks
+    cross = None
+    if multi:
+        cr = cross_rank_of(ranks, {x.rank: x.host for x in ing}, world, colls, [_rank_view(d) for d in reports],
+                           None, None, matched)
+        cross = asdict(cr)
+    del colls, columns, ing, matched
+    # 5. stragglers: evidence and cause from the straggler's and its base rank's traces
+    straggler_c, straggler_s = [], []
+    if cross and cross["stragglers"]:
+        by_rank = {r.rank: r for r in res}
+        evs = cross["stragglers"]
+        calls = [(ev, inputs[ev["straggler_rank"]], inputs.get(pick.get(ev["straggler_rank"])), inputs[ev["base_rank"]],
+                  entry, top, token,
+                  {w: by_rank[w].report["steps"] for w in ev.get("waiting_ranks", []) if w in by_rank},
+                  by_rank[ev["straggler_rank"]].causes) for ev in evs]
+        where = [nodes[ranks.index(ev["straggler_rank"])] for ev in evs]
+        for i, f in engine.map("stragglers", tasks.straggler_rank, calls, progress, where):
+            evs[i]["differs"] = f.differs
+            by_rank[evs[i]["straggler_rank"]].causes = f.own  # one of them may now name the straggler
+            straggler_c.append((i, f.causes))
+            straggler_s.append((i, f.symptoms))
+    # in the in-process diagnosis's order: ranks' causes, the job's, the stragglers'
+    causes = [c for r in res for c in r.causes]
+    symptoms = [s for r in res for s in r.symptoms]
+    if coupled and all(r.grad_accum for r in res) and res[0].job_causes:
+        c = res[0].job_causes[0]
+        # as grad_accum.detect_job claims them: every rank's exposed communication and waits
+        c.claims = ([Claim(EXPOSED_COMM, r.rank, _comm_us(r.report)) for r in res]
+                    + [Claim(WAITING_RANK, r.rank, 0.0) for r in res])
+        causes.append(c)
+    causes += [c for _, cs in sorted(straggler_c, key=lambda t: t[0]) for c in cs]
+    symptoms += [s for _, ss in sorted(straggler_s, key=lambda t: t[0]) for s in ss]
+    # 6. assemble
+    return {
+        "schema": SCHEMA,
+        "generator": {"name": "aiprof", "version": __version__},
+        "capture": {"world_size": world, "ranks_found": ranks, "sources": [inputs[r].source for r in ranks]},
+        "ranks": reports,
+        "cross_rank": cross,
+        **diag.assemble(causes, symptoms, [r.baseline for r in res]),
+    }
+
+
+def partners(ranks: list[int], waited_us: dict, coupled: dict) -> dict[int, int]:
+    """Each coupled rank's partner in pricing: the job's most typical rank (the one whose time
+    waiting at collectives is closest to the median rank's: not a straggler, not the earliest),
+    and for that rank itself the next most typical. Empty when fewer than two ranks are coupled."""
+    cand = [r for r in ranks if r in coupled]
+    if len(cand) < 2:
+        return {}
+    med = float(np.median([waited_us.get(r, 0.0) for r in cand]))
+    ref, ref2 = sorted(cand, key=lambda r: (abs(waited_us.get(r, 0.0) - med), r))[:2]
+    return {r: ref if r != ref else ref2 for r in cand}
+
+
+def default_cpus() -> int:
+    """CPUs this process may use (the embedded Ray's default)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -1,0 +1,167 @@
+"""The per-rank work of a scaled-out analysis and the small summaries it returns.
+
+Each function runs where the engine puts it (a Ray worker, or this process) and reads the rank's
+trace itself: the driver sends a path and receives a summary of a few hundred kB at most. The
+store a rank's ingest writes (beside the trace, or in the cache folder) is what the later tasks
+of that rank read, so a trace is parsed once.
+
+Pricing here is per rank and pair: each cause is priced by the joint replay of its rank and one
+typical rank of the job, its partner (the joint replay of every rank needs every rank's graph
+in one process; see docs/scale.md).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from aiprof.analysis.breakdown import StepBreakdown
+from aiprof.analysis.ranks import RankCollectives as Collectives
+from aiprof.analysis.ranks import _diff_evidence, rank_collectives, rank_host
+from aiprof.analysis.report import _analyse_rank
+from aiprof.diagnosis import engine as diag
+from aiprof.diagnosis.causes import grad_accum, straggler
+from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.graph import RankCollectives as Coupling
+from aiprof.diagnosis.job import comm_ends, settle
+from aiprof.diagnosis.model import Cause, Symptom
+from aiprof.trace.store import RankTrace, ingest
+
+
+@dataclass
+class Ingested:
+    """A rank after its ingest: who it is and its collectives (for the cross-rank matching)."""
+
+    rank: int
+    index: int  # the file's position in the capture (ranks without a number are numbered by it)
+    source: str
+    host: str
+    world_size: int
+    collectives: Collectives
+    comm_end: np.ndarray  # when each collective's communication ended (diagnosis.job.comm_ends)
+
+
+@dataclass
+class RankInput:
+    """What a task needs to re-open and couple one rank (see :func:`open_rank`)."""
+
+    source: str
+    index: int
+    coupling: Coupling | None = None  # diagnosis.job.coupling of this rank; None: not coupled
+    offset_ns: float = 0.0  # the rank's clock offset (ns to add to put it on the reference clock)
+
+
+@dataclass
+class Analysed:
+    """A rank's report section and its priced causes and symptoms."""
+
+    rank: int
+    report: dict  # the report's "ranks" entry (asdict of analysis.report.RankReport)
+    causes: list[Cause]  # priced, in detector order; edits dropped
+    symptoms: list[Symptom]
+    baseline: dict  # the report's "baseline" row
+    grad_accum: bool  # gradient accumulation with collectives to skip on this rank
+    job_causes: list[Cause]  # GRAD_ACCUM_ALLREDUCE priced on this rank, when asked for
+
+
+@dataclass
+class StragglerFound:
+    """A straggler's diff evidence and its cause, or its own cause promoted."""
+
+    differs: dict
+    causes: list[Cause]
+    symptoms: list[Symptom]
+    own: list[Cause]  # the straggler's own causes, one possibly promoted to the straggler's cause
+
+
+@dataclass
+class _Waiting:
+    """A waiting rank as straggler.causes reads it: its number and its steps' breakdown."""
+
+    rank: int
+    breakdown: list[StepBreakdown]
+
+
+def open_rank(inp: RankInput, use_cache: bool = True) -> RankTrace:
+    """The rank's trace: its store when cached (ingest re-parses only when it is not)."""
+    return ingest(inp.source, inp.index, None, use_cache)
+
+
+def _strip(causes: list[Cause]) -> list[Cause]:
+    """Drop what only pricing needs (the edit's arrays, the claimed host nodes) before shipping."""
+    for c in causes:
+        c.edit = None
+        c.region = None
+    return causes
+
+
+def ingest_rank(source: str, index: int, use_cache: bool = True) -> Ingested:
+    """Ingest one trace file into its store (or find it cached) and summarise its collectives."""
+    rt = ingest(source, index, None, use_cache)
+    rc = rank_collectives(rt)
+    return Ingested(rank=rt.rank, index=index, source=source, host=rank_host(rt), world_size=rt.world_size,
+                    collectives=rc, comm_end=np.asarray(comm_ends(rt, rc)))
+
+
+# The partner rank's facts, per worker process: every task of one analysis pairs its rank with
+# the same partner, so a worker builds it once (keyed by the analysis's token and the rank).
+_PARTNER: dict = {}
+
+
+def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> RankFacts:
+    """The partner rank's facts, as analysed (calibration undone from any earlier pairing)."""
+    key = (token, inp.source, inp.index, entry, top)
+    hit = _PARTNER.get(key)
+    if hit is None:
+        _, f = _analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns)
+        hit = (f, f.graph.alpha, f.graph.beta, f.base, f.host_scale)
+        _PARTNER.clear()  # one analysis at a time per worker: keep one partner
+        _PARTNER[key] = hit
+    f, alpha, beta, base, scale = hit
+    f.graph.deflate(alpha, beta)
+    f.base, f.host_scale = base, scale
+    return f
+
+
+def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str | None, top: int,
+          token: str) -> tuple[object, RankFacts, list[RankFacts], diag.Pricer]:
+    """The rank's report and facts, and the pricer: the joint replay of the rank with its
+    partner when both are coupled (calibrated together), else the rank's own replay."""
+    rep, f = _analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns)
+    if partner is None or inp.coupling is None or partner.coupling is None:
+        return rep, f, [f], diag.Pricer([f], False)
+    pair = [f, _partner_facts(partner, entry, top, token)]
+    settle(pair)
+    return rep, f, pair, diag.Pricer(pair, True)
+
+
+def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,
+                 job_cause: bool) -> Analysed:
+    """One rank's report, causes and symptoms. Each cause is priced by the joint replay of this
+    rank and its ``partner`` (a typical rank of the job, standing for all the others: the job's
+    step is the slower of the two), or on this rank alone when the job is not coupled.
+    ``job_cause``: also price the job-wide gradient-accumulation cause, on both ranks (the
+    driver asks the lowest rank, as the in-process diagnosis does). ``token`` names the analysis."""
+    rt = open_rank(inp)
+    rep, f, pair, pricer = _pair(rt, inp, partner, entry, top, token)
+    causes, symptoms = diag.diagnose_rank(f, pricer)
+    a, o, _ = grad_accum._skippable(f)
+    skippable = bool(a.any() or o.any())
+    job = grad_accum.detect_job(pair, pricer) if job_cause and skippable else []
+    return Analysed(rank=rt.rank, report=asdict(rep), causes=_strip(causes), symptoms=symptoms,
+                    baseline=diag.baseline_entry(f, pricer.coupled), grad_accum=skippable, job_causes=_strip(job))
+
+
+def straggler_rank(ev: dict, slow: RankInput, partner: RankInput | None, base: RankInput, entry: str | None,
+                   top: int, token: str, waiting: dict[int, list[dict]], own: list[Cause]) -> StragglerFound:
+    """A straggler's evidence (what its median step does more than the base rank's) and its
+    cause, priced like its other causes (with its partner). ``ev`` is the cross-rank straggler
+    entry, ``waiting`` the waiting ranks' step breakdowns (report dicts), ``own`` the causes
+    the straggler's analysis found (one may become the straggler's cause)."""
+    slow_rt = open_rank(slow)
+    ev = dict(ev, differs=_diff_evidence(open_rank(base), slow_rt))
+    _, _, pair, pricer = _pair(slow_rt, slow, partner, entry, top, token)
+    have = {x.rank for x in pair}
+    others = [_Waiting(r, [StepBreakdown(**s) for s in steps]) for r, steps in waiting.items() if r not in have]
+    cs, ss = straggler.causes([*pair, *others], {"stragglers": [ev]}, own, pricer)
+    return StragglerFound(differs=ev["differs"], causes=_strip(cs), symptoms=ss, own=own)

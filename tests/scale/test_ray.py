@@ -1,0 +1,94 @@
+"""The Ray engine, for real: a local Ray that aiprof starts (not mocked), on small multi-rank
+captures. Its reports must be the in-process per-rank pipeline's, field for field (same tasks,
+other processes), and the in-process report's where the pipeline gives it (two ranks)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from aiprof.analysis.report import build_report
+from aiprof.errors import AiprofError
+from aiprof.scale import engines
+from aiprof.scale.job_report import build_job_report
+from aiprof.trace.store import find_trace_files, open_capture
+
+pytest.importorskip("ray")
+CPUS = 2  # CI has two cores
+
+
+@pytest.fixture(scope="module")
+def ray_engine():
+    with engines.RayEngine(cpus=CPUS) as eng:
+        yield eng
+
+
+def test_ray_report_equals_the_in_process_one(ray_engine, ddp4_dir):
+    """ddp4 (4 ranks, rank 2 the straggler): Ray and this process run the same tasks."""
+    files = find_trace_files([str(ddp4_dir)])
+    got = build_job_report(files, ray_engine)
+    with engines.SerialEngine() as serial:
+        want = build_job_report(files, serial)
+    assert got == want
+    assert got["ranks"] == build_report(open_capture(files))["ranks"]
+    assert [s["straggler_rank"] for s in got["cross_rank"]["stragglers"]] == [2]
+    assert got["causes"][0]["code"] == "STRAGGLER" and got["causes"][0]["rank"] == 2
+    st = ray_engine.stats.by_phase
+    assert st["ingest"]["tasks"] >= 4 and st["analyse"]["tasks"] >= 4 and st["stragglers"]["tasks"] >= 1
+
+
+def test_two_ranks_on_ray_give_the_in_process_report(ray_engine, tmp_path):
+    """accum2 (gloo, gradient accumulation): the job-wide cause priced on both ranks, claims
+    on every rank: the whole report equals the in-process one."""
+    import shutil
+
+    from tests.conftest import DATA
+
+    for r in (0, 1):
+        shutil.copy(DATA / "diagnosis" / f"accum2_fault_rank{r}.json.gz", tmp_path)
+    files = find_trace_files([str(tmp_path)])
+    got = build_job_report(files, ray_engine)
+    assert got == build_report(open_capture(files))
+    assert got["causes"][0]["code"] == "GRAD_ACCUM_ALLREDUCE"
+
+
+def test_a_bad_trace_is_one_line_from_a_worker(ray_engine, ddp4_dir, tmp_path):
+    bad = tmp_path / "rank9.json"
+    bad.write_text('{"schemaVersion": 1}')
+    files = [*find_trace_files([str(ddp4_dir)]), str(bad)]
+    with pytest.raises(AiprofError, match=r"rank9\.json: .*traceEvents"):
+        build_job_report(files, ray_engine)
+
+
+SCRIPT = """\
+# no `if __name__ == "__main__":` guard, on purpose: Ray's workers must not run this again
+import os, sys
+with open(sys.argv[1], "a") as f:
+    f.write("ran\\n")
+from aiprof.cli.main import main
+rc = main(["analyze", sys.argv[2], "--engine", "ray", "--workers", "2", "--json", "--out", sys.argv[3],
+           "--stats", sys.argv[4], "--progress-file", sys.argv[5]])
+print("rc", rc, file=sys.stderr)
+"""
+
+
+def test_cli_on_ray_never_reruns_the_callers_main(ddp4_dir, tmp_path):
+    """`aiprof analyze --engine ray` from a script without a main guard: the script's top
+    level runs once, the JSON report is the in-process pipeline's, the stats are written."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    marker, out, stats, prog = tmp_path / "ran.txt", tmp_path / "out", tmp_path / "stats.json", tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(script), str(marker), str(ddp4_dir), str(out), str(stats), str(prog)],
+                       check=False, capture_output=True, text=True, timeout=600)
+    assert "rc 0" in p.stderr, p.stderr[-3000:]
+    assert marker.read_text() == "ran\n"
+    rep = json.loads(p.stdout)
+    assert rep == json.loads((out / "report.json").read_text())
+    assert [s["straggler_rank"] for s in rep["cross_rank"]["stragglers"]] == [2]
+    st = json.loads(stats.read_text())
+    assert st["engine"] == "ray" and st["ranks"] == 4 and st["worker_cpu_s"] > 0 and st["driver_peak_rss_mb"] > 0
+    assert json.loads(prog.read_text())["phases"] == {"starting ray": [1, 1], "ingest": [4, 4], "analyse": [4, 4],
+                                                      "stragglers": [1, 1]}
