@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--public-url", default=None, metavar="URL", help="base URL printed in links (default: as requested)")
     p.add_argument("--cluster", default=None, metavar="ADDRESS",
                    help="analyse captures on this Ray cluster (ray://HOST:PORT; default: on this machine, "
-                        "a local Ray from 65 ranks; docs/scale.md)")
+                        "a local Ray from 17 ranks; docs/scale.md)")
     p.set_defaults(func=run)
 
 

@@ -19,8 +19,10 @@ from aiprof.diagnosis.replay import Edit, ReplayResult, replay
 JOINT_MAX_ROUNDS = 12
 JOINT_TOL_NS = 1_000.0
 # Above this many ranks a fix is priced on its own rank with the others' arrivals as recorded
-# (the others are unchanged by it), not by the joint replay.
-JOINT_MAX_RANKS = 64
+# (the others are unchanged by it), not by the joint replay: its cost grows with ranks x causes,
+# and at 16 ranks it costs what the Ray path does (bench/scale.py: 10.3 s vs 11.0 s; 32 ranks:
+# 33.2 s vs 13.9 s), so `analyze` goes to Ray from 17 (scale/engines.py RAY_MIN_RANKS).
+JOINT_MAX_RANKS = 16
 
 
 def _host_comm_ends(rt, start: np.ndarray, end: np.ndarray) -> np.ndarray:
