@@ -1,14 +1,24 @@
-"""Load test of the central service on loopback: N simulated agents at once, real HTTP.
+"""Load test of the central service on loopback: N simulated agents in light processes, real HTTP.
 
-    .venv/bin/python bench/server_load.py [--agents 256] [--mb 1] [--deadline 180]
+    .venv/bin/python bench/server_load.py [--agents 1024] [--procs 32] [--mb 0.25] [--deadline 300]
 
-Starts ``aiprof server`` (127.0.0.1, a temporary DATA folder), then N agent threads of one job
-each register, heartbeat, receive the job-wide capture command that one trigger sends, and
-upload a random ``trace.json.gz`` of --mb MiB plus ``meta.json`` through the same client the
-real agent uses (streamed, SHA-256 checked). At the end every file on the server is hashed and
-compared with what its agent sent: every byte is accounted for. Prints requests/s, MB/s and
-p50/p95/max latency per request kind, and the error count; exits 1 unless errors == 0 and all
-bytes match. Bounded: --deadline seconds in all; every call has a timeout.
+Starts ``aiprof server`` (127.0.0.1, a temporary DATA folder), then --procs child processes
+that each run their share of the N agents of one job (an agent is a thread of its child: a light
+process holds N/P of them, as a node holds its ranks). Every agent does what the real agent's
+uplink does (agent/uplink.py), through the same client (server/client.py):
+
+1. registers, then heartbeats at the interval the server asks for (it stretches it for big fleets);
+2. a job-wide capture trigger reaches it in a heartbeat's answer; it uploads a random
+   ``trace.json.gz`` of --mb MiB plus ``meta.json`` (streamed, SHA-256 checked) and reports;
+3. a job-wide hang snapshot reaches it the same way; it posts its stacks and last collectives
+   in the agent's format. One rank (N - 3) is stuck in its data loader, one all-reduce behind
+   the others, who wait in that all-reduce: the server's analysis must name exactly that rank.
+
+Then every file on the server is hashed and compared with what its agent sent. Prints
+registration time, trigger fan-out time (trigger sent -> the last agent has the command, on the
+machine's monotonic clock, shared by all processes), upload and hang-snapshot times, latency
+per request kind, and the error count; exits 1 unless nothing was lost, every byte matches and
+the hang outlier is the stuck rank. Bounded: --deadline seconds in all; every call has a timeout.
 """
 from __future__ import annotations
 
@@ -22,31 +32,15 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from aiprof.server.client import ServerClient, ServerError, file_sha256  # noqa: E402
 
 JOB = "load"
-
-
-class Stats:
-    def __init__(self) -> None:
-        self.lat: dict[str, list[float]] = defaultdict(list)
-        self.errors: list[str] = []
-        self.lock = threading.Lock()
-
-    def timed(self, kind: str, fn, *a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        except Exception as exc:
-            with self.lock:
-                self.errors.append(f"{kind}: {exc}")
-            raise
-        finally:
-            with self.lock:
-                self.lat[kind].append(time.perf_counter() - t0)
+POLL_S = 0.05  # how often the parent looks at its children's reports
+HANG_PG_SIZE_SEQ = 7  # the all-reduce the waiting ranks sit in (the stuck rank is at seq 6)
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -54,101 +48,269 @@ def pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(p / 100 * len(s)))] if s else float("nan")
 
 
-def agent(i: int, n: int, client: ServerClient, files: dict, st: Stats, go: threading.Event, deadline: float,
-          uploads_per_file: dict) -> None:
-    aid = f"sim-{i}"
-    try:
-        st.timed("register", client.post, "agents", {"agent_id": aid, "job": JOB, "host": f"node{i // 8}", "pid": 1000 + i,
-                                                     "rank": i, "world_size": n, "steps": 10, "step_ms": 100.0})
-        go.wait(max(0.0, deadline - time.monotonic()))
-        steps = 10
-        while time.monotonic() < deadline:
-            steps += 5
-            r = st.timed("heartbeat", client.post, f"agents/{aid}/heartbeat", {"steps": steps, "step_ms": 100.0})
-            cmds = [c for c in r["commands"] if c.get("op") == "capture"]
-            if cmds:
-                cid = cmds[0]["capture_id"]
-                for name in ("trace.json.gz", "meta.json"):
-                    path, sha, size = files[i][name]
-                    res = st.timed("upload", client.upload_file, cid, i, path, name, attempts=3, timeout=120,
-                                   sha=(sha, size))
-                    uploads_per_file[(i, name)] = res
-                st.timed("result", client.post, f"agents/{aid}/results",
-                         {"capture_id": cid, "rank": i, "ok": True, "phase": "captured"})
-                return
-            time.sleep(0.5)
-        st.errors.append(f"agent {i}: no capture command before the deadline")
-    except ServerError:
-        pass  # counted in st.errors
+def stuck_rank(n: int) -> int:
+    """The rank that the hang snapshot must name (not the first or last: no edge effects)."""
+    return max(0, n - 3)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--agents", type=int, default=256)
-    ap.add_argument("--mb", type=float, default=1.0, help="size of each agent's trace file (MiB)")
-    ap.add_argument("--deadline", type=float, default=180.0, help="seconds for the whole run")
-    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
-    a = ap.parse_args()
-    n = a.agents
-    tmp = tempfile.mkdtemp(prefix="aiprof-load-")
+def stack_dump(rank: int, n: int) -> dict[str, Any]:
+    """A rank's hang snapshot in the agent's format (uplink._stacks): main thread + last collectives."""
+    stuck = rank == stuck_rank(n)
+    inner = ([{"function": "load_batch", "file": "/job/data.py", "line": 41, "native": False},
+              {"function": "train_step", "file": "/job/train.py", "line": 88, "native": False}] if stuck else
+             [{"function": "all_reduce", "file": "/usr/lib/python3/torch/distributed/distributed_c10d.py", "line": 2800,
+               "native": False},
+              {"function": "train_step", "file": "/job/train.py", "line": 95, "native": False}])
+    frames = inner + [{"function": "main", "file": "/job/train.py", "line": 120, "native": False},
+                      {"function": "<module>", "file": "/job/train.py", "line": 130, "native": False}]
+    last = HANG_PG_SIZE_SEQ - 1 if stuck else HANG_PG_SIZE_SEQ
+
+    def in_flight(seq: int) -> bool:  # the waiting ranks sit in their last all-reduce; the stuck one left its own
+        return seq == last and not stuck
+    colls = [{"seq": s, "op": "all_reduce", "pg": "0", "pg_size": n, "shape": [1024], "dtype": "float32",
+              "t_ns": 1_700_000_000_000_000_000 + s * 1_000_000,
+              "returned_ns": None if in_flight(s) else 1_700_000_000_000_000_000 + s * 1_000_000 + 500_000,
+              "state": "entered" if in_flight(s) else "returned", "p2p": False, "peer": None}
+             for s in range(1, last + 1)]
+    return {"pid": 10_000 + rank, "host": f"node{rank // 8}", "ok": True, "error": None, "native": False,
+            "threads": [{"thread_id": 1, "os_thread_id": 10_000 + rank, "name": "MainThread", "active": True,
+                         "owns_gil": True, "frames": frames}],
+            "last_collectives": {"installed": True, "python": colls, "flight_recorder": None, "fr_error": None},
+            "steps": 40, "last_step_age_s": 30.0}
+
+
+# -- child: a light process holding its share of the agents ----------------------------------------
+class Child:
+    """One child process: agents ``ranks`` as threads; reports events as JSON lines on stdout."""
+
+    def __init__(self, url: str, token: str, n: int, ranks: list[int], files: dict[str, Any], deadline: float) -> None:
+        self.client = ServerClient(url, token, timeout=60.0)
+        self.n, self.ranks, self.files, self.deadline = n, ranks, files, deadline
+        self.lat: dict[str, list[float]] = defaultdict(list)
+        self.lock = threading.Lock()
+
+    def emit(self, **ev: Any) -> None:
+        with self.lock:
+            sys.stdout.write(json.dumps(ev) + "\n")
+            sys.stdout.flush()
+
+    def timed(self, kind: str, fn, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            with self.lock:
+                self.lat[kind].append(time.perf_counter() - t0)
+
+    def agent(self, i: int) -> None:
+        aid = f"sim-{i}"
+        try:
+            r = self.timed("register", self.client.post, "agents",
+                           {"agent_id": aid, "job": JOB, "host": f"node{i // 8}", "pid": 10_000 + i, "rank": i,
+                            "world_size": self.n, "steps": 10, "step_ms": 100.0})
+            self.emit(ev="registered", rank=i, t=time.monotonic())
+            interval = float(r.get("interval_s") or 1.0)
+            steps, captured = 10, False
+            while time.monotonic() < self.deadline:
+                steps += 5
+                r = self.timed("heartbeat", self.client.post, f"agents/{aid}/heartbeat", {"steps": steps, "step_ms": 100.0})
+                interval = float(r.get("interval_s") or interval)
+                for cmd in r.get("commands") or []:
+                    self.emit(ev="command", op=cmd.get("op"), rank=i, t=time.monotonic())
+                    if cmd.get("op") == "capture" and not captured:
+                        # on its own thread, as the agent's upload loop: heartbeats go on meanwhile
+                        threading.Thread(target=self.capture, args=(i, cmd["capture_id"]), daemon=True).start()
+                        captured = True
+                    elif cmd.get("op") == "stacks":
+                        self.timed("stacks", self.client.post, f"hang/{cmd['snapshot_id']}/ranks/{i}",
+                                   stack_dump(i, self.n), timeout=15.0)
+                        self.emit(ev="stacks_sent", rank=i, t=time.monotonic())
+                        return
+                time.sleep(interval)
+            self.emit(ev="error", msg=f"agent {i}: no hang command before the deadline")
+        except (ServerError, OSError) as exc:
+            self.emit(ev="error", msg=f"agent {i}: {type(exc).__name__}: {exc}")
+
+    def capture(self, i: int, cid: str) -> None:
+        try:
+            self._upload(i, cid)
+        except (ServerError, OSError) as exc:
+            self.emit(ev="error", msg=f"agent {i} upload: {type(exc).__name__}: {exc}")
+
+    def _upload(self, i: int, cid: str) -> None:
+        for name in ("trace.json.gz", "meta.json"):
+            path, sha, size = self.files[str(i)][name]
+            res = self.timed("upload", self.client.upload_file, cid, i, path, name, attempts=3, timeout=120,
+                             sha=(sha, size))
+            self.emit(ev="uploaded", rank=i, name=name, attempts=res.attempts, t=time.monotonic())
+        self.timed("result", self.client.post, f"agents/sim-{i}/results",
+                   {"capture_id": cid, "rank": i, "ok": True, "phase": "captured"})
+
+    def run(self) -> None:
+        threads = [threading.Thread(target=self.agent, args=(i,), daemon=True) for i in self.ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, self.deadline - time.monotonic()))
+        self.emit(ev="latencies", lat=self.lat)
+
+
+def child_main(spec_path: str) -> int:
+    spec = json.load(open(spec_path))
+    Child(spec["url"], spec["token"], spec["n"], spec["ranks"], spec["files"], spec["deadline"]).run()
+    return 0
+
+
+# -- parent -----------------------------------------------------------------------------------------
+class Reports:
+    """What the children said, read on background threads (one per child's stdout)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: dict[str, dict[int, float]] = defaultdict(dict)  # kind -> rank -> monotonic time
+        self.uploads: list[dict] = []
+        self.errors: list[str] = []
+        self.lat: dict[str, list[float]] = defaultdict(list)
+        self.children_done = 0
+
+    def read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            with self.lock:
+                kind = ev.get("ev")
+                if kind == "command":
+                    self.events[f"command:{ev['op']}"].setdefault(ev["rank"], ev["t"])
+                elif kind in ("registered", "stacks_sent"):
+                    self.events[kind][ev["rank"]] = ev["t"]
+                elif kind == "uploaded":
+                    self.uploads.append(ev)
+                elif kind == "error":
+                    self.errors.append(ev["msg"])
+                elif kind == "latencies":
+                    for k, xs in ev["lat"].items():
+                        self.lat[k].extend(xs)
+        with self.lock:
+            self.children_done += 1
+
+    def count(self, kind: str) -> int:
+        with self.lock:
+            return len(self.events[kind])
+
+    def last(self, kind: str) -> float:
+        with self.lock:
+            return max(self.events[kind].values(), default=float("nan"))
+
+
+def wait_for(cond, deadline: float) -> bool:
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def make_files(tmp: str, n: int, mb: float) -> dict[str, dict[str, tuple[str, str, int]]]:
+    """Each agent's upload: random bytes (incompressible), hashed once here."""
+    files: dict[str, dict[str, tuple[str, str, int]]] = {}
+    size = int(mb * (1 << 20))
+    for i in range(n):
+        d = os.path.join(tmp, "agents", f"rank{i}")
+        os.makedirs(d)
+        for name, nbytes in (("trace.json.gz", size), ("meta.json", 256)):
+            p = os.path.join(d, name)
+            with open(p, "wb") as f:
+                f.write(os.urandom(nbytes))
+            sha, sz = file_sha256(p)
+            files.setdefault(str(i), {})[name] = (p, sha, sz)
+    return files
+
+
+def start_server(tmp: str) -> tuple[subprocess.Popen, str, str]:
     data = os.path.join(tmp, "data")
     srv = subprocess.Popen([sys.executable, "-m", "aiprof", "server", "--data", data, "--port", "0", "--host", "127.0.0.1"],
                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "server.log"), "wb"),
                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    if not wait_for(lambda: os.path.exists(os.path.join(data, "server.json")) or srv.poll() is not None,
+                    time.monotonic() + 60) or srv.poll() is not None:
+        srv.kill()
+        raise SystemExit("the server did not start:\n" + open(os.path.join(tmp, "server.log")).read())
+    url = json.load(open(os.path.join(data, "server.json")))["url"]
+    token = open(os.path.join(data, "token")).read().strip()
+    return srv, url, token
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--agents", type=int, default=1024)
+    ap.add_argument("--procs", type=int, default=32, help="light processes holding the agents (default 32)")
+    ap.add_argument("--mb", type=float, default=0.25, help="size of each agent's trace file (MiB)")
+    ap.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    ap.add_argument("--child", metavar="SPEC", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child_main(a.child)
+    n, procs = a.agents, max(1, min(a.procs, a.agents))
+    tmp = tempfile.mkdtemp(prefix="aiprof-load-")
+    srv, url, token = start_server(tmp)
+    children: list[subprocess.Popen] = []
     try:
-        t_end = time.monotonic() + 30
-        while not os.path.exists(os.path.join(data, "server.json")):
-            if srv.poll() is not None or time.monotonic() > t_end:
-                print(open(os.path.join(tmp, "server.log")).read(), file=sys.stderr)
-                return 1
-            time.sleep(0.05)
-        url = json.load(open(os.path.join(data, "server.json")))["url"]
-        assert url.startswith("http://127.0.0.1:")
-        token = open(os.path.join(data, "token")).read().strip()
         client = ServerClient(url, token, timeout=60.0)
-        # the agents' files: random bytes (incompressible), hashed once here
-        files: dict[int, dict[str, tuple[str, str, int]]] = {}
-        size = int(a.mb * (1 << 20))
-        for i in range(n):
-            d = os.path.join(tmp, "agents", f"rank{i}")
-            os.makedirs(d)
-            for name, nbytes in (("trace.json.gz", size), ("meta.json", 256)):
-                p = os.path.join(d, name)
-                with open(p, "wb") as f:
-                    f.write(os.urandom(nbytes))
-                sha, sz = file_sha256(p)
-                files[i] = files.get(i, {}) | {name: (p, sha, sz)}
-        st = Stats()
-        go = threading.Event()
-        uploads: dict = {}
+        files = make_files(tmp, n, a.mb)
         deadline = time.monotonic() + a.deadline
-        threads = [threading.Thread(target=agent, args=(i, n, client, files, st, go, deadline, uploads), daemon=True)
-                   for i in range(n)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        while len(st.lat["register"]) < n and time.monotonic() < deadline:
-            time.sleep(0.05)
-        t_reg = time.perf_counter() - t0
-        go.set()
-        trig = st.timed("trigger", client.post, f"jobs/{JOB}/captures",
-                        {"request": {"iterations": 1}, "auto_analyze": False, "timeout_s": a.deadline})
-        t1 = time.perf_counter()
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        t_up = time.perf_counter() - t1
+        rep = Reports()
+        t0 = time.monotonic()
+        for c in range(procs):
+            spec = os.path.join(tmp, f"child{c}.json")
+            json.dump({"url": url, "token": token, "n": n, "ranks": list(range(c, n, procs)), "deadline": deadline,
+                       "files": {str(i): files[str(i)] for i in range(c, n, procs)}}, open(spec, "w"))
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", spec], stdout=subprocess.PIPE,
+                                 text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+            children.append(p)
+            threading.Thread(target=rep.read, args=(p,), daemon=True).start()
+        registered = wait_for(lambda: rep.count("registered") >= n, deadline)
+        t_reg = rep.last("registered") - t0
+        # 1. a job-wide capture
+        t_trig = time.monotonic()
+        trig = client.post(f"jobs/{JOB}/captures", {"request": {"iterations": 1}, "auto_analyze": False,
+                                                   "timeout_s": a.deadline})
         cid = trig["capture_id"]
+        wait_for(lambda: rep.count("command:capture") >= n, deadline)
+        t_fan = rep.last("command:capture") - t_trig
         state = None
-        while time.monotonic() < deadline:
+
+        def uploaded() -> bool:
+            nonlocal state
             state = client.get(f"captures/{cid}")
-            if state["state"] != "capturing":
-                break
-            time.sleep(0.2)
-        wall = time.perf_counter() - t0
+            return state["state"] != "capturing"
+        wait_for(uploaded, deadline)
+        t_up = time.monotonic() - t_trig
+        # 2. a job-wide hang snapshot, while every agent still heartbeats
+        t_hang = time.monotonic()
+        hang = client.post(f"jobs/{JOB}/hang", {"timeout_s": min(300.0, max(2.0, deadline - time.monotonic()))})
+        sid = hang["snapshot_id"]
+        hang_ranks = len(hang["ranks"])  # the agents alive when it was sent
+        wait_for(lambda: rep.count("command:stacks") >= hang_ranks, deadline)
+        t_hang_fan = rep.last("command:stacks") - t_hang
+        hang_state: dict = {}
+
+        def analysed() -> bool:
+            nonlocal hang_state
+            hang_state = client.get(f"hang/{sid}")
+            return hang_state.get("state") in ("analysed", "failed")
+        wait_for(analysed, deadline)
+        t_hang_done = time.monotonic() - t_hang
+        for p in children:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        wait_for(lambda: rep.children_done >= procs, time.monotonic() + 10)
         # every byte accounted for: hash what the server stored and compare with what was sent
+        data = os.path.join(tmp, "data")
         mismatched, stored_bytes = [], 0
         for i in range(n):
-            for name, (_, sha, sz) in files[i].items():
+            for name, (_, sha, sz) in files[str(i)].items():
                 p = os.path.join(data, "captures", cid, f"rank{i}", name)
                 if not os.path.isfile(p) or file_sha256(p) != (sha, sz):
                     mismatched.append((i, name))
@@ -156,26 +318,37 @@ def main() -> int:
                     stored_bytes += sz
         sent_bytes = sum(sz for fs in files.values() for (_, _, sz) in fs.values())
         info = client.get("info")
-        reqs = sum(len(v) for v in st.lat.values()) + sum(r.attempts for r in uploads.values())  # + status GETs
-        print(f"aiprof server load test: {n} agents, {a.mb:g} MiB trace + 256 B meta each, loopback {url}")
-        print(f"  registration of all agents: {t_reg:.2f} s; trigger -> all uploads done: {t_up:.2f} s; wall {wall:.2f} s")
-        print(f"  capture {cid}: state {state and state['state']}, ranks received {len((state or {}).get('received') or [])}/{n}")
-        for kind in ("register", "heartbeat", "trigger", "upload", "result"):
-            xs = st.lat.get(kind, [])
+        result = hang_state.get("result") or {}
+        outliers = sorted(o.get("rank") for o in result.get("outliers") or [])
+        print(f"aiprof server load test: {n} agents in {procs} processes, {a.mb:g} MiB trace + 256 B meta each, "
+              f"loopback {url}")
+        print(f"  registration of all agents: {t_reg:.2f} s ({rep.count('registered')}/{n}); heartbeat interval told "
+              f"{max(1.0, n / 500.0):.2f} s")
+        print(f"  capture trigger -> every agent has it: {t_fan:.2f} s ({rep.count('command:capture')}/{n}); "
+              f"-> all uploads done: {t_up:.2f} s; state {state and state['state']}, ranks received "
+              f"{len((state or {}).get('received') or [])}/{n}")
+        print(f"  hang trigger -> every agent has it: {t_hang_fan:.2f} s ({rep.count('command:stacks')}/{n}, "
+              f"{hang_ranks} alive when sent); "
+              f"-> snapshot {hang_state.get('state')}: {t_hang_done:.2f} s; {len(result.get('processes') or [])} "
+              f"processes, outliers {outliers} (stuck rank {stuck_rank(n)})")
+        for kind in ("register", "heartbeat", "upload", "result", "stacks"):
+            xs = rep.lat.get(kind, [])
             if xs:
                 print(f"  {kind:9s} n={len(xs):5d}  p50 {pct(xs, 50) * 1e3:8.1f} ms  p95 {pct(xs, 95) * 1e3:8.1f} ms"
                       f"  max {max(xs) * 1e3:8.1f} ms")
-        print(f"  HTTP requests ~{reqs} in {wall:.2f} s = {reqs / wall:.0f} req/s; upload phase {sent_bytes / t_up / 1e6:.1f} MB/s "
-              f"({sent_bytes / 1e6:.1f} MB)")
-        print(f"  bytes sent {sent_bytes}, stored and hash-verified {stored_bytes}, server counted {info['stats']['upload_bytes']}; "
-              f"checksum mismatches seen by the server {info['stats']['checksum_mismatch']}")
-        print(f"  errors = {len(st.errors)}, files missing or different = {len(mismatched)}")
-        for e in st.errors[:10]:
+        print(f"  bytes sent {sent_bytes}, stored and hash-verified {stored_bytes}, server counted "
+              f"{info['stats']['upload_bytes']}; checksum mismatches seen by the server {info['stats']['checksum_mismatch']}")
+        print(f"  errors = {len(rep.errors)}, files missing or different = {len(mismatched)}")
+        for e in rep.errors[:10]:
             print("   ", e)
-        ok = not st.errors and not mismatched and stored_bytes == sent_bytes == info["stats"]["upload_bytes"] \
-            and state is not None and state["state"] == "uploaded"
+        ok = (registered and not rep.errors and not mismatched and stored_bytes == sent_bytes == info["stats"]["upload_bytes"]
+              and state is not None and state["state"] == "uploaded" and hang_ranks == n and outliers == [stuck_rank(n)])
+        print("OK" if ok else "FAILED")
         return 0 if ok else 1
     finally:
+        for p in children:
+            if p.poll() is None:
+                p.kill()
         srv.terminate()
         try:
             srv.wait(10)

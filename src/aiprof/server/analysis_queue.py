@@ -47,6 +47,9 @@ class AnalysisQueue:
         self.analysing: set[str] = set()
         # captures still waiting for ranks: the ticker looks at these only, not at every capture ever stored
         self.active: set[str] = set()
+        # their complete ranks, kept as meta.json files arrive: listing every rank's folder on each
+        # arrival is quadratic (1,024 ranks: ~10^6 stats on the event loop)
+        self.done_ranks: dict[str, set[int]] = {}
         self.sem: asyncio.Semaphore | None = None
 
     def start(self) -> None:
@@ -63,15 +66,29 @@ class AnalysisQueue:
         for cid in sorted(self.active):
             self.check_complete(cid)
 
+    def rank_complete(self, cid: str, rank: int) -> None:
+        """A rank's meta.json arrived (its upload is complete): note it, then check the capture."""
+        if cid in self.done_ranks:
+            self.done_ranks[cid].add(rank)
+        self.check_complete(cid)
+
+    def _done(self, cid: str) -> set[int]:
+        """The capture's complete ranks: listed from disk once (or after a restart), then kept."""
+        done = self.done_ranks.get(cid)
+        if done is None:
+            ranks = self.data.uploaded_ranks(cid)
+            done = self.done_ranks[cid] = {r for r, files in ranks.items() if "meta.json" in files}
+        return done
+
     def check_complete(self, cid: str) -> None:
         """capturing -> uploaded when every expected rank has its files or reported a failure
         (or at the deadline, with what arrived); then the analysis starts if asked for."""
         st = self.data.load_capture(cid)
         if not st or st.get("state") != "capturing":
             self.active.discard(cid)
+            self.done_ranks.pop(cid, None)
             return
-        ranks = self.data.uploaded_ranks(cid)
-        done = {r for r, files in ranks.items() if "meta.json" in files}
+        done = set(self._done(cid))
         failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
         expected = st.get("expected")
         metas: dict[int, dict] | None = None  # read only when needed: this runs on every meta.json upload
@@ -99,6 +116,7 @@ class AnalysisQueue:
             s["aligned"] = bool(steps) and all(x == steps[0] for x in steps)
         st = self.data.update_capture(cid, upd)
         self.active.discard(cid)
+        self.done_ranks.pop(cid, None)
         if st and st.get("state") == "uploaded" and st.get("auto_analyze"):
             self.start_analysis(cid)
 
