@@ -9,7 +9,7 @@ what ``aiprof run``/``attach`` record (``steps.before_median_ms``). For every pa
 top cause, its predicted saving (share of the step) and the measured saving
 ((fault - fix) / fault, unprofiled), and for the healthy jobs their most severe cause.
 
-Targets (docs/diagnosis.md): the expected cause on top for every pair, predicted share within
+Targets (docs/findings.md): the expected cause on top for every pair, predicted share within
 1.5x of the measured one, no high or medium cause on the healthy jobs.
 """
 from __future__ import annotations

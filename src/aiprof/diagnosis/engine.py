@@ -1,4 +1,4 @@
-"""The diagnosis: facts -> symptoms and causes -> priced, linked, ranked (docs/diagnosis.md).
+"""The diagnosis: facts -> symptoms and causes -> priced, linked, ranked (docs/findings.md).
 
 Per rank: build the facts once (with the replay graph, calibrated to the unprofiled step), run
 every cause detector, price each cause by replaying the rank with its fix, link causes to the
@@ -17,7 +17,7 @@ from aiprof.analysis.kernels import KernelAnalysis
 from aiprof.analysis.runtime import RuntimeAnalysis
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis import causes as registry
-from aiprof.diagnosis.causes import grad_accum, straggler
+from aiprof.diagnosis.causes import grad_accum, slow_interconnect, straggler
 from aiprof.diagnosis.facts import RankFacts, calibrate_host
 from aiprof.diagnosis.graph import RankCollectives, build_graph
 from aiprof.diagnosis.job import (
@@ -210,6 +210,7 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
         symptoms += ss
     if coupled:
         causes += grad_accum.detect_job(facts, pricer)
+        causes += slow_interconnect.detect_job(facts, pricer, columns)
     if cross:
         cs, ss = straggler.causes(facts, cross, causes, pricer)
         causes += cs

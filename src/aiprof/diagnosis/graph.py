@@ -1,4 +1,4 @@
-"""The dependency graph of a rank's analysed steps, for the what-if replay (docs/diagnosis.md).
+"""The dependency graph of a rank's analysed steps, for the what-if replay (docs/findings.md).
 
 What decides when a step ends is a small set of dependencies, and the trace holds all of them:
 

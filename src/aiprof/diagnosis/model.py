@@ -4,7 +4,7 @@ A *symptom* is what a user sees in the numbers: GPU idle, exposed communication,
 rank waiting for another. A *cause* is the mechanism behind it, at a place in the user's code,
 with the one change that removes it and what that change saves (from the what-if replay). Each
 cause claims the part of each symptom it explains; what no cause claims stays an orphan symptom.
-Schema of both in docs/report.md, definitions in docs/diagnosis.md.
+Schema of both in docs/report.md, definitions in docs/findings.md.
 """
 from __future__ import annotations
 

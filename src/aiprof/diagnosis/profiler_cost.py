@@ -11,7 +11,7 @@ The replay subtracts the costs below from the host time in which each recorded e
 They were measured on the lent H100 (torch 2.11, CUDA 13) by ``bench/diagnosis/gpu_pairs.py
 calibration`` (jobs separate from the validation pairs): each loop timed unprofiled and
 profiled in the same process, the extra host time divided by the events the trace holds per
-step. Definitions and the measurement in docs/diagnosis.md ("Profiler inflation").
+step. Definitions and the measurement in docs/findings.md ("Profiler inflation").
 """
 from __future__ import annotations
 

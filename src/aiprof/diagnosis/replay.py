@@ -36,6 +36,8 @@ class Edit:
     # the fixed step cannot be shorter than this (work moved to another thread or process still
     # has to be done once per step there)
     min_step_ns: float = 0.0
+    # new transfer time (ns) of matched collectives, by collective id (a faster interconnect)
+    c_transfer: dict | None = None
     notes: dict = field(default_factory=dict)
 
     @classmethod
@@ -65,6 +67,9 @@ def combine(g: Graph, edits: list[Edit], label: str = "") -> Edit:
             m = ~np.isnan(e.op_dur)
             out.op_dur[m] = e.op_dur[m]
         out.min_step_ns = max(out.min_step_ns, e.min_step_ns)
+        if e.c_transfer is not None:
+            prev = out.c_transfer or {}
+            out.c_transfer = prev | {c: min(t, prev.get(c, t)) for c, t in e.c_transfer.items()}
     out.cost_remove = np.minimum(out.cost_remove, g.cost)
     return out
 
@@ -111,7 +116,7 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
     acoll = g.a_coll.tolist() if g.a_coll is not None else [-1] * n_act
     ocoll = g.o_coll.tolist() if g.o_coll is not None else [-1] * n_op
     others = release if release is not None else g.c_others
-    transfer = g.c_transfer
+    transfer = g.c_transfer if edit is None or edit.c_transfer is None else g.c_transfer | edit.c_transfer
     arrivals: dict[int, float] = {}
     lo = float(g.lo)
     gend = [0.0] * n_op

@@ -1,4 +1,4 @@
-"""Symptoms of one rank: what the numbers show, before any cause is known (docs/diagnosis.md).
+"""Symptoms of one rank: what the numbers show, before any cause is known (docs/findings.md).
 
 All amounts are recorded (profiled) time over the analysed steps; shares are of the recorded
 step time, so they match the breakdown the report shows next to them.

@@ -1,4 +1,4 @@
-"""Cause detectors, one module per mechanism (docs/diagnosis.md lists them).
+"""Cause detectors, one module per mechanism (docs/findings.md lists them).
 
 Each module has ``CODE`` and ``detect(facts) -> list[Cause]``: evidence from the shared facts,
 the place, a specific remedy, and the fix as an :class:`~aiprof.diagnosis.replay.Edit` that the
