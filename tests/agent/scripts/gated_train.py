@@ -46,7 +46,10 @@ def main() -> None:
             print(f"stopped by SIGTERM before step {step}", flush=True)
             break
         if step in gates:
-            Path(gates[step] + ".waiting").write_text(str(os.getpid()))
+            # atomically (write, then rename): the test reads our pid as soon as the file exists
+            tmp = Path(gates[step] + ".waiting.tmp")
+            tmp.write_text(str(os.getpid()))
+            os.replace(tmp, gates[step] + ".waiting")
             deadline = time.monotonic() + a.gate_max_s
             while not os.path.exists(gates[step]) and time.monotonic() < deadline and not stop:
                 time.sleep(0.02)
