@@ -109,6 +109,7 @@ class CaptureDriver:
         self.armed_at = 0.0
         self.armed_count = 0
         self.sampler: Any = None
+        self.pm_meta: dict[str, Any] | None = None
         self.info: dict[str, Any] = {}
         self.pending_main: str | None = None  # "start"/"stop" scheduled on the main thread
         self.pending_since = 0.0
@@ -223,6 +224,7 @@ class CaptureDriver:
 
     def _fail(self, why: str) -> None:
         if self.sampler is not None:
+            self.sampler.stop_pm()
             self.sampler._stop.set()
             self.sampler = None
         with self._lock:
@@ -307,7 +309,8 @@ class CaptureDriver:
         try:
             from aiprof.agent.hwmon import HwSampler
 
-            self.sampler = HwSampler(req.hw_interval_ms, gpus)
+            dev = (self.info.get("device") or {}).get("index")
+            self.sampler = HwSampler(req.hw_interval_ms, gpus, req.hw_pm_interval_us, dev)
             self.sampler.start()
         except Exception as exc:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
@@ -393,6 +396,8 @@ class CaptureDriver:
             if rf is not None:
                 rf.__exit__(None, None, None)
             if self.sampler is not None:
+                # PM sampling stops here, before stop_trace, which may finalise CUPTI under it
+                self.sampler.stop_pm()
                 self.sampler._stop.set()  # joined by the exporter, not here
             t0 = time.perf_counter()
             with profguard.own():
@@ -446,6 +451,15 @@ class CaptureDriver:
 
                 hw_rows = write_csv(os.path.join(d, "hw.csv"), samples, off)
                 hw_notes, hw_sources = self.sampler.notes, self.sampler.sources
+                self.pm_meta = dict(self.sampler.pm_status)
+                pm = self.sampler.pm_samples
+                if pm is not None and len(pm.t0):
+                    from aiprof.agent.hwmon import PM_FILE, write_pm_csv
+
+                    label = f"gpu{(self.info.get('device') or {}).get('index', 0)}"
+                    self.pm_meta.update(write_pm_csv(os.path.join(d, PM_FILE), pm, off, label))
+                elif self.pm_meta.get("ok"):
+                    self.pm_meta["rows"] = 0
                 self.sampler = None
             meta = self._meta(trace_bytes, hw_rows, hw_sources, hw_notes)
             tmp = os.path.join(d, "meta.json.tmp")
@@ -458,7 +472,7 @@ class CaptureDriver:
             self.prof = None
             why = str(exc) if type(exc).__name__ == "ExportError" else f"{type(exc).__name__}: {exc}"
             result["error"] = f"export failed: {why}"
-            for leftover in ("trace.json.tmp", "trace.json.gz", "hw.csv", "meta.json.tmp"):
+            for leftover in ("trace.json.tmp", "trace.json.gz", "hw.csv", "pm.csv.gz", "meta.json.tmp"):
                 try:
                     if result["dir"] and not result.get("ok"):
                         os.unlink(os.path.join(result["dir"], leftover))
@@ -553,9 +567,11 @@ class CaptureDriver:
             },
             "clock": self.clock,
             "versions": self._versions(),
-            "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None},
+            "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None,
+                      "pm": (getattr(self, "pm_meta", None) or {}).get("file")},
             "trace_json_bytes": trace_bytes,
-            "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms},
+            "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms,
+                   "pm": getattr(self, "pm_meta", None)},
             # what the end of the capture cost: stop_ms on the training thread, the rest off it
             "export": {"stop_ms": self.info.get("stop_ms"), **(self.info.get("export") or {})},
             "errors": self.errors,

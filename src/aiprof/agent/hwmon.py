@@ -11,6 +11,10 @@ Sources, each skipped quietly when missing (no GPU in CI, no psutil, no /sys/cla
   window of at least 100 ms (shorter windows read as zeros on H200).
 - psutil: system CPU %, this process's CPU %, system memory used, process RSS.
 - /sys/class/infiniband/*/ports/*/counters: port_{xmit,rcv}_data as bytes/s.
+- CUPTI PM sampling (agent/pmsampling.py), when asked for (``pm_interval_us``): the GPU's own
+  performance monitors every ~100 µs, decoded by a C thread into a bounded buffer. Where it
+  cannot run (no GPU, no permission, old driver, MIG...) ``pm_status`` says why and the GPU
+  counters above (NVML/GPM) are what the capture has.
 """
 from __future__ import annotations
 
@@ -178,10 +182,16 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+#: Longest the training thread waits for the PM sampler's setup (first use compiles the C side)
+#: before giving up on it for this capture.
+PM_SETUP_WAIT_S = 2.0
+
+
 class HwSampler:
     """Samples until :meth:`stop`; samples are kept in memory (bounded) and returned by stop."""
 
-    def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None) -> None:
+    def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None,
+                 pm_interval_us: int = 0, cuda_index: int | None = None) -> None:
         self.interval = max(0.01, interval_ms / 1000.0)
         self.gpu_uuids = gpu_uuids or []
         self.samples: list[Sample] = []
@@ -195,6 +205,62 @@ class HwSampler:
         self._psutil: Any = None
         self._ib: list[tuple[str, str]] = []
         self._ib_prev: dict[str, tuple[float, int, int]] = {}
+        self.pm_interval_us = pm_interval_us
+        self.cuda_index = cuda_index
+        self.pm: Any = None  # the running PmSampler
+        self.pm_samples: Any = None  # PmSamples once stopped
+        self.pm_status: dict[str, Any] = {"asked": bool(pm_interval_us), "ok": False}
+        self._pm_lock = threading.Lock()
+        self._pm_ready = threading.Event()
+        self._pm_cancel = False
+
+    def _setup_pm(self) -> None:
+        """Start CUPTI PM sampling (in this thread: the first use builds the C side)."""
+        if not self.pm_interval_us:
+            return
+        t0 = time.perf_counter()
+        try:
+            if self.cuda_index is None:
+                raise RuntimeError("no CUDA device in use")
+            from aiprof.agent.pmsampling import PmSampler
+
+            pm = PmSampler(self.cuda_index, self.pm_interval_us)
+            with self._pm_lock:
+                if self._pm_cancel:  # the capture already ended
+                    self.pm_status["error"] = "capture ended before PM sampling was set up"
+                    return
+                pm.start()
+                self.pm = pm
+            self.pm_status.update({"ok": True, "columns": pm.columns, "metrics": pm.metrics, "chip": pm.chip,
+                                   "setup_ms": round((time.perf_counter() - t0) * 1e3, 1)})
+            self.sources.append("cupti-pm")
+        except Exception as exc:
+            msg = str(exc) if type(exc).__name__ == "PmUnavailable" else f"{type(exc).__name__}: {exc}"
+            self.pm_status["error"] = msg
+            self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
+                              f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
+        finally:
+            self._pm_ready.set()
+
+    def stop_pm(self, timeout: float = PM_SETUP_WAIT_S) -> None:
+        """Stop PM sampling now (bounded): before torch.profiler's stop_trace, which may finalise
+        CUPTI under it. Never raises."""
+        try:
+            if not self.pm_interval_us:
+                return
+            self._pm_ready.wait(timeout)
+            with self._pm_lock:
+                self._pm_cancel = True
+                pm, self.pm = self.pm, None
+            if pm is None:
+                return
+            t0 = time.perf_counter()
+            self.pm_samples = pm.stop()
+            self.pm_status["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        except Exception as exc:
+            self.pm_status["ok"] = False
+            self.pm_status["error"] = f"stop: {type(exc).__name__}: {exc}"
+            self.notes.append(f"CUPTI PM sampling failed at stop ({exc}); its samples are lost")
 
     def _setup(self) -> None:
         try:
@@ -234,6 +300,7 @@ class HwSampler:
 
     def stop(self, timeout: float = 2.0) -> list[Sample]:
         """Stop sampling, wait (bounded) for the thread, and return the samples."""
+        self.stop_pm()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -241,6 +308,7 @@ class HwSampler:
 
     def _run(self) -> None:
         try:
+            self._setup_pm()
             self._setup()
             next_t = time.perf_counter()
             while not self._stop.is_set() and len(self.samples) < MAX_SAMPLES:
@@ -302,3 +370,35 @@ def write_csv(path: str, samples: list[Sample], offset_us: float) -> int:
         for t_ns, dev, metric, value in samples:
             f.write(f"{t_ns / 1000.0 + offset_us:.3f},{dev},{metric},{value:.6g}\n")
     return len(samples)
+
+
+PM_FILE = "pm.csv.gz"
+
+
+def write_pm_csv(path: str, pm: Any, trace_minus_unix_us: float, label: str) -> dict[str, Any]:
+    """Write PM samples as ``t0_us,t1_us,device,<column>...`` (gzipped, trace clock; one row per
+    sample) and return what meta.json keeps of them: rows, achieved gaps, clock mapping."""
+    import gzip
+
+    import numpy as np
+
+    from aiprof.trace.pmclock import cupti_to_trace_us, drift_ppm
+
+    a = cupti_to_trace_us(pm.t0, pm.clock, trace_minus_unix_us)
+    b = cupti_to_trace_us(pm.t1, pm.clock, trace_minus_unix_us)
+    with gzip.open(path, "wt", compresslevel=3) as f:
+        f.write("t0_us,t1_us,device," + ",".join(pm.columns) + "\n")
+        vals = pm.values
+        for i in range(len(a)):
+            f.write(f"{a[i]:.3f},{b[i]:.3f},{label}," + ",".join(f"{v:.6g}" for v in vals[i].tolist()) + "\n")
+    gaps = np.diff(pm.t0.astype(np.int64)) / 1000.0 if len(pm.t0) > 1 else np.zeros(0)
+    return {
+        "file": os.path.basename(path), "rows": int(len(a)), "device": label,
+        "columns": pm.columns, "metrics": pm.metrics,
+        "gap_us": {"median": round(float(np.median(gaps)), 3), "p99": round(float(np.percentile(gaps, 99)), 3),
+                   "max": round(float(gaps.max()), 3)} if len(gaps) else None,
+        "clock": {"pairs": pm.clock, "drift_ppm": drift_ppm(pm.clock), "trace_minus_unix_us": trace_minus_unix_us,
+                  "method": "line through (cuptiGetTimestamp, CLOCK_REALTIME) pairs at start and stop, "
+                            "then the capture's marker offset"},
+        "stats": pm.stats,
+    }
