@@ -111,9 +111,11 @@ const char *aps_error(void) { return g_err; }
 int aps_last_cupti_error(void) { return g_last_error; }
 
 /* dlopen libcupti (a path, or a soname already loaded) and resolve every entry point. */
+static int g_ready; /* every symbol resolved and the profiler initialised */
+
 int aps_open(const char *libpath) {
-    if (g_lib) return 0;
-    g_lib = dlopen(libpath, RTLD_NOW | RTLD_GLOBAL);
+    if (g_ready) return 0;
+    if (!g_lib) g_lib = dlopen(libpath, RTLD_NOW | RTLD_GLOBAL);
     if (!g_lib) {
         set_err("dlopen %s: %s", libpath, dlerror());
         return -1;
@@ -219,6 +221,10 @@ static void host_free(CUpti_Profiler_Host_Object *h) {
 
 /* Every base metric the PM sampler offers on this device, "type\tname\n" lines into out. */
 int aps_list_metrics(int dev, char *out, size_t outlen) {
+    if (!g_ready) {
+        set_err("CUPTI not opened");
+        return -9;
+    }
     int rc = chip_and_availability(dev);
     if (rc) return rc;
     CUpti_Profiler_Host_Object *h = NULL;
@@ -247,6 +253,10 @@ int aps_list_metrics(int dev, char *out, size_t outlen) {
 
 /* Sub-metrics (rollups/suffixes) of one base metric, newline-separated into out. */
 int aps_submetrics(const char *metric, int type, char *out, size_t outlen) {
+    if (!g_ready) {
+        set_err("CUPTI not opened");
+        return -9;
+    }
     CUpti_Profiler_Host_Object *h = NULL;
     int rc = host_init(&h);
     if (rc) return rc;
@@ -272,6 +282,10 @@ int aps_submetrics(const char *metric, int type, char *out, size_t outlen) {
 
 /* Number of passes a metric list needs (PM sampling takes 1 only); <0 on error. */
 int aps_passes(int dev, const char **names, int n) {
+    if (!g_ready) {
+        set_err("CUPTI not opened");
+        return -9;
+    }
     int rc = chip_and_availability(dev);
     if (rc) return rc;
     CUpti_Profiler_Host_Object *h = NULL;
@@ -317,6 +331,10 @@ int aps_passes(int dev, const char **names, int n) {
  */
 int aps_configure(int dev, const char **names, int n, uint64_t interval_ns, size_t hw_buf,
                   uint32_t max_samples, size_t max_rows) {
+    if (!g_ready) {
+        set_err("CUPTI not opened");
+        return -9;
+    }
     if (g_running) {
         set_err("sampler is running");
         return -4;
@@ -420,6 +438,10 @@ int aps_configure(int dev, const char **names, int n, uint64_t interval_ns, size
  * has finalised CUPTI (TEARDOWN_CUPTI), the old object is gone with it.
  */
 int aps_reset(void) {
+    if (!g_ready) {
+        set_err("CUPTI not opened");
+        return -9;
+    }
     if (g_running) {
         set_err("sampler is running");
         return -4;
@@ -427,8 +449,10 @@ int aps_reset(void) {
     g_obj = NULL;
     free(g_avail);
     g_avail = NULL;
+    g_ready = 0;
     PARAMS(CUpti_Profiler_Initialize_Params, ip);
     CALL(p_ProfilerInitialize, &ip, "cuptiProfilerInitialize");
+    g_ready = 1;
     return 0;
 }
 
@@ -516,6 +540,10 @@ static void *decode_loop(void *arg) {
 }
 
 int aps_start(unsigned decode_period_us) {
+    if (!g_ready) {
+        set_err("CUPTI not opened");
+        return -9;
+    }
     if (!g_obj || !g_rows) {
         set_err("not configured");
         return -7;

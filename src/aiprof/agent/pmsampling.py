@@ -216,38 +216,53 @@ def build_lib() -> str:
 
 
 _LIB: Any = None
+_LIB_ERROR: PmUnavailable | None = None  # why loading failed: not retried in this process
 _LIB_LOCK = threading.Lock()
 
 
 def _load() -> Any:
-    """Build, load and open the library once per process."""
-    global _LIB
+    """Build, load and open the library once per process (a failure is kept, not retried)."""
+    global _LIB, _LIB_ERROR
     with _LIB_LOCK:
         if _LIB is not None:
             return _LIB
-        so = build_lib()
-        lib = ctypes.CDLL(so)
-        c_u64p, c_i64p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64)
-        lib.aps_error.restype = ctypes.c_char_p
-        lib.aps_chip.restype = ctypes.c_char_p
-        lib.aps_open.argtypes = [ctypes.c_char_p]
-        lib.aps_clock_pair.argtypes = [ctypes.c_int, c_u64p, c_i64p, c_i64p]
-        lib.aps_list_metrics.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-        lib.aps_passes.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]
-        lib.aps_configure.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.c_uint64,
-                                      ctypes.c_size_t, ctypes.c_uint32, ctypes.c_size_t]
-        lib.aps_start.argtypes = [ctypes.c_uint]
-        lib.aps_row_count.restype = ctypes.c_size_t
-        lib.aps_copy_rows.restype = ctypes.c_size_t
-        lib.aps_copy_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-        lib.aps_stats.argtypes = [c_u64p, ctypes.POINTER(ctypes.c_double)]
-        lib.aps_counter_data_bytes.restype = ctypes.c_size_t
-        path = find_libcupti()
-        if lib.aps_open(path.encode()) != 0:
-            raise PmUnavailable(f"CUPTI: {lib.aps_error().decode(errors='replace')}")
-        lib.cupti_path = path
-        _LIB = lib
-        return lib
+        if _LIB_ERROR is not None:
+            raise PmUnavailable(str(_LIB_ERROR))
+        try:
+            _LIB = _open()
+        except PmUnavailable as exc:
+            _LIB_ERROR = exc
+            raise
+        except Exception as exc:  # OSError from dlopen, ...
+            _LIB_ERROR = PmUnavailable(f"loading the PM sampler: {type(exc).__name__}: {exc}")
+            raise _LIB_ERROR from exc
+        return _LIB
+
+
+def _open() -> Any:
+    """Build and load the C side, open libcupti through it."""
+    so = build_lib()
+    lib = ctypes.CDLL(so)
+    c_u64p, c_i64p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int64)
+    lib.aps_error.restype = ctypes.c_char_p
+    lib.aps_chip.restype = ctypes.c_char_p
+    lib.aps_open.argtypes = [ctypes.c_char_p]
+    lib.aps_clock_pair.argtypes = [ctypes.c_int, c_u64p, c_i64p, c_i64p]
+    lib.aps_list_metrics.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    lib.aps_passes.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int]
+    lib.aps_configure.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.c_int, ctypes.c_uint64,
+                                  ctypes.c_size_t, ctypes.c_uint32, ctypes.c_size_t]
+    lib.aps_start.argtypes = [ctypes.c_uint]
+    lib.aps_row_count.restype = ctypes.c_size_t
+    lib.aps_copy_rows.restype = ctypes.c_size_t
+    lib.aps_copy_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    lib.aps_stats.argtypes = [c_u64p, ctypes.POINTER(ctypes.c_double)]
+    lib.aps_counter_data_bytes.restype = ctypes.c_size_t
+    path = find_libcupti()
+    if lib.aps_open(path.encode()) != 0:
+        raise PmUnavailable(f"CUPTI: {lib.aps_error().decode(errors='replace')}")
+    lib.cupti_path = path
+    return lib
 
 
 def _err(lib: Any) -> str:
