@@ -124,7 +124,7 @@ def busy_lag(s, a, b, ks, col: str) -> dict:
 def main() -> None:
     R["torch"] = torch.__version__
     R["device"] = torch.cuda.get_device_name(0)
-    x = torch.zeros(1, device="cuda")
+    torch.zeros(1, device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
     try:
@@ -150,7 +150,21 @@ def main() -> None:
     R["missing_roles"] = [c for c, _, _ in pm.ROLES if c not in chosen]
     save()
 
-    # 1) phases under PM sampling + Kineto together (PM first, then the profiler)
+    try:
+        phases(lib, chosen)
+    except Exception:
+        R["errors"].append("phases: " + traceback.format_exc()[-2000:])
+    save()
+    # 2) GPT-2 training: overhead none / pm / kineto / kineto+pm, interleaved; one window recorded
+    try:
+        gpt2(chosen)
+    except Exception:
+        R["errors"].append("gpt2: " + traceback.format_exc()[-2000:])
+    save()
+
+
+def phases(lib, chosen: dict) -> None:
+    """Idle, elementwise and GEMM phases under PM sampling + Kineto (PM first, then the profiler)."""
     from torch.profiler import ProfilerActivity, profile
     big = torch.randn(256 << 20, device="cuda")  # 1 GiB fp32
     a16 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -186,14 +200,6 @@ def main() -> None:
         R["phase"]["stop_minus_last_t1_us"] = (s.clock[-1]["cupti_ns"] - int(s.t1[-1])) / 1000.0
         R["phase"]["first_t0_minus_start_us"] = (int(s.t0[0]) - s.clock[0]["cupti_ns"]) / 1000.0
     del big, a16, b16
-    save()
-
-    # 2) GPT-2 training: overhead none / pm / kineto / kineto+pm, interleaved; one window recorded
-    try:
-        gpt2(chosen)
-    except Exception:
-        R["errors"].append("gpt2: " + traceback.format_exc()[-2000:])
-    save()
 
 
 def gpt2(chosen: dict) -> None:

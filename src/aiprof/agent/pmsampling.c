@@ -154,6 +154,7 @@ int aps_open(const char *libpath) {
 #undef SYM
     PARAMS(CUpti_Profiler_Initialize_Params, ip);
     CALL(p_ProfilerInitialize, &ip, "cuptiProfilerInitialize");
+    g_ready = 1;
     return 0;
 }
 
@@ -568,14 +569,15 @@ int aps_start(unsigned decode_period_us) {
     return 0;
 }
 
-/* Stop the GPU sampling, join the decode thread and decode what is left. */
+/* Join the decode thread (no two threads in CUPTI's decode at once), stop the GPU sampling,
+ * and decode what is left. */
 int aps_stop(void) {
     if (!g_running) return 0;
+    g_stop_req = 1;
+    pthread_join(g_thread, NULL);
     PARAMS(CUpti_PmSampling_Stop_Params, tp);
     tp.pPmSamplingObject = g_obj;
     CUptiResult r = p_PmStop(&tp);
-    g_stop_req = 1;
-    pthread_join(g_thread, NULL);
     g_running = 0;
     for (int i = 0; i < 64 && !decode_once(); i++) {
     }

@@ -144,6 +144,8 @@ class CounterAnalysis:
     overall: dict  # means over the whole sampled span
     during_kernels: dict  # means weighted by compute-kernel coverage
     outside_kernels: dict  # means over the sampled time with no kernel running
+    matmul: dict  # means weighted by matmul/attention kernel coverage (analysis.kernels.is_matmul_kernel)
+    not_matmul: dict  # means over the sampled time not covered by matmul kernels
     families: list[dict] = field(default_factory=list)  # per kernel family: counters, bound
     collectives: list[dict] = field(default_factory=list)  # per communication kernel name: NVLink vs peak
 
@@ -179,6 +181,16 @@ def counter_analysis(rt: RankTrace, families: list[str] | None = None) -> Counte
     busy_w = _union_weights(pm, start[comp], end[comp]) if comp.any() else np.zeros(len(pm))
     during = weighted_means(pm, busy_w)
     outside = weighted_means(pm, np.maximum(span - busy_w, 0.0))
+    from aiprof.analysis.kernels import is_matmul_kernel
+
+    if names is not None and comp.any():
+        mm_label = np.array([is_matmul_kernel(x) for x in names.labels] + [False], dtype=bool)
+        mm = comp & mm_label[names.codes]
+    else:
+        mm = np.zeros(len(start), dtype=bool)
+    mm_w = _union_weights(pm, start[mm], end[mm]) if mm.any() else np.zeros(len(pm))
+    matmul = weighted_means(pm, mm_w)
+    not_matmul = weighted_means(pm, np.maximum(span - mm_w, 0.0))
     align: dict = {}
     act = pm.values.get("pm_sm_active_pct")
     if act is not None and comp.any():
@@ -225,5 +237,6 @@ def counter_analysis(rt: RankTrace, families: list[str] | None = None) -> Counte
     return CounterAnalysis(device=pm.device, columns=sorted(pm.values), samples=len(pm), interval_us=interval,
                            alignment=align, dram_peak_gbps=dev.dram_gbps if dev else None,
                            nvlink_peak_gbps=link_peak, overall=overall, during_kernels=during,
-                           outside_kernels=outside, families=fams, collectives=colls)
+                           outside_kernels=outside, matmul=matmul, not_matmul=not_matmul, families=fams,
+                           collectives=colls)
 
