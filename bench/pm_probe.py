@@ -67,23 +67,30 @@ def gaps(s: pm.PmSamples) -> dict:
             "width_median_us": float(np.median((s.t1.astype(np.int64) - t0) / 1000.0))}
 
 
-def to_trace_us(s: pm.PmSamples, mark_ts: float, mark_unix: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """PM times -> trace µs, assuming PM timestamps are on cuptiGetTimestamp's clock."""
-    c = s.clock[0]
-    cupti_minus_unix = c["cupti_ns"] - c["unix_ns"]
-    trace_minus_unix_us = mark_ts - (mark_unix[0] + mark_unix[1]) / 2000.0
-    a = (s.t0.astype(np.int64) - cupti_minus_unix) / 1000.0 + trace_minus_unix_us
-    b = (s.t1.astype(np.int64) - cupti_minus_unix) / 1000.0 + trace_minus_unix_us
-    return a, b
+def mapped(s: pm.PmSamples, mark_ts: float, mark_unix: tuple[int, int]):
+    """PM windows on the trace clock (µs) through the per-decode clock pairs, and the kept mask."""
+    from aiprof.trace.pmclock import map_batches
+    u0, u1, keep, mp = map_batches(s.t0, s.t1, s.batches, s.clock)
+    off = mark_ts - (mark_unix[0] + mark_unix[1]) / 2000.0
+    return u0 / 1000.0 + off, u1 / 1000.0 + off, keep, mp
 
 
-def phase_means(s, a, b, ks, pred) -> dict:
+def rates(metrics: list[str], values: np.ndarray, a, b) -> np.ndarray:
+    """Counts per window -> per second (as agent/hwmon.write_pm_csv does)."""
+    v = values.astype(np.float64).copy()
+    w = np.maximum((b - a) * 1e-6, 1e-9)
+    for j, m in enumerate(metrics):
+        if pm.is_count(m):
+            v[:, j] = v[:, j] * pm.SCALE.get(m, 1.0) / w
+    return v
+
+
+def phase_means(cols, vals, a, b, ks, pred) -> dict:
     """Time-weighted mean of every column over samples overlapping kernels matching pred."""
     sel = [k for k in ks if pred(k["name"])]
     if not sel:
         return {}
     w = np.zeros(len(a))
-    mid = (a + b) / 2
     for k in sel:
         lo, hi = k["ts"], k["ts"] + k["dur"]
         i0, i1 = np.searchsorted(b, lo), np.searchsorted(a, hi)
@@ -93,32 +100,21 @@ def phase_means(s, a, b, ks, pred) -> dict:
                 w[i] += ov
     if w.sum() <= 0:
         return {"kernels": len(sel), "overlap_us": 0}
-    del mid
     return {"kernels": len(sel), "overlap_us": float(w.sum()),
-            **{c: float((s.values[:, j] * w).sum() / w.sum()) for j, c in enumerate(s.columns)}}
+            **{c: float((vals[:, j] * w).sum() / w.sum()) for j, c in enumerate(cols)}}
 
 
-def busy_lag(s, a, b, ks, col: str) -> dict:
-    """Cross-correlate the column with kernel-busy fraction per sample; best lag in µs."""
-    if col not in s.columns or len(a) < 10:
+def outside_means(cols, vals, a, b, ks) -> dict:
+    """Means over sample time not covered by any kernel (idle GPU)."""
+    from aiprof.analysis.intervals import union
+    st = np.array([k["ts"] for k in ks if k["cat"] == "kernel"])
+    en = st + np.array([k["dur"] for k in ks if k["cat"] == "kernel"])
+    u = union((st * 1000).astype(np.int64), (en * 1000).astype(np.int64))
+    cov = u.covered((a * 1000).astype(np.int64), (b * 1000).astype(np.int64)) / 1000.0
+    w = np.maximum((b - a) - cov, 0)
+    if w.sum() <= 0:
         return {}
-    j = s.columns.index(col)
-    step = float(np.median(np.diff(a)))
-    grid = np.arange(a[0], b[-1], step / 4)
-    busy = np.zeros(len(grid))
-    for k in ks:
-        if k["cat"] != "kernel":
-            continue
-        i0, i1 = np.searchsorted(grid, k["ts"]), np.searchsorted(grid, k["ts"] + k["dur"])
-        busy[i0:i1] = 1.0
-    val = np.interp(grid, (a + b) / 2, s.values[:, j])
-    best = None
-    for lag_i in range(-400, 401):
-        sh = np.roll(val, lag_i)
-        c = np.corrcoef(sh[450:-450], busy[450:-450])[0, 1]
-        if best is None or c > best[1]:
-            best = (lag_i, c)
-    return {"lag_us": best[0] * step / 4, "corr": float(best[1]), "grid_us": step / 4}
+    return {"idle_us": float(w.sum()), **{c: float((vals[:, j] * w).sum() / w.sum()) for j, c in enumerate(cols)}}
 
 
 def main() -> None:
@@ -136,17 +132,15 @@ def main() -> None:
     R["build_load_s"] = round(time.perf_counter() - t, 3)
     R["cupti"] = lib.cupti_path
     R["cupti_loaded_before"] = pm.loaded_libcupti()
-    ms = pm.list_metrics(0)
-    with open(os.path.join(OUT, "metrics.txt"), "w") as f:
-        f.write("\n".join(f"{t}\t{n}" for t, n in ms))
-    R["n_base_metrics"] = len(ms)
-    interesting = [n for _, n in ms if any(k in n for k in ("tensor", "dram", "nvl", "pcie", "lts__t_", "sm__cycles",
-                                                            "inst_executed", "warps_active", "gpc__cycles"))]
-    R["interesting"] = interesting[:200]
     t = time.perf_counter()
-    chosen = pm.resolve_metrics(0)
+    why: dict = {}
+    chosen = pm.resolve_metrics(0, diagnose=why)
     R["resolve_s"] = round(time.perf_counter() - t, 3)
+    R["rejected"] = why
     R["chosen"] = chosen
+    t = time.perf_counter()
+    R["resolve_cached"] = pm.resolve_metrics(0) == chosen
+    R["resolve_cached_s"] = round(time.perf_counter() - t, 3)
     R["missing_roles"] = [c for c, _, _ in pm.ROLES if c not in chosen]
     save()
 
@@ -164,11 +158,15 @@ def main() -> None:
 
 
 def phases(lib, chosen: dict) -> None:
-    """Idle, elementwise and GEMM phases under PM sampling + Kineto (PM first, then the profiler)."""
+    """Idle, elementwise and GEMM phases under PM sampling + Kineto (PM first, then the profiler,
+    as the agent does): counters per phase, the alignment check, and the recorded test data."""
     from torch.profiler import ProfilerActivity, profile
+
+    from aiprof.trace.pmclock import alignment_check
     big = torch.randn(256 << 20, device="cuda")  # 1 GiB fp32
     a16 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b16 = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
     samp = pm.PmSampler(0, 100, chosen)
     R["counter_data_bytes"] = int(lib.aps_counter_data_bytes())
     samp.start()
@@ -176,33 +174,47 @@ def phases(lib, chosen: dict) -> None:
     prof.start()
     mu = marker()
     for _ in range(3):
-        torch.cuda._sleep(20_000_000)  # ~10 ms of an idle-ish spin kernel
+        time.sleep(0.01)
         for _ in range(20):
-            big.mul_(1.0001)
+            big.mul_(1.0001)  # elementwise: reads and writes 1 GiB, DRAM-bound
         torch.cuda.synchronize()
         time.sleep(0.01)
         for _ in range(10):
-            torch.mm(a16, b16)
+            torch.mm(a16, b16)  # bf16 GEMM: tensor cores
         torch.cuda.synchronize()
-        time.sleep(0.01)
+    time.sleep(0.01)
     prof.stop()
     s = samp.stop()
     ks, mark_ts = kineto_kernels(prof, "/tmp/phase_trace.json")
-    R["phase"] = {"gaps": gaps(s), "stats": s.stats, "clock": s.clock, "kernels": len(ks), "marker_ts": mark_ts}
-    if mark_ts is not None and len(s.t0):
-        a, b = to_trace_us(s, mark_ts, mu)
-        R["phase"]["gemm"] = phase_means(s, a, b, ks, lambda n: "gemm" in n.lower() or "nvjet" in n.lower()
-                                         or "sm90" in n.lower())
-        R["phase"]["elementwise"] = phase_means(s, a, b, ks, lambda n: "elementwise" in n.lower() or "vectorized" in n.lower())
-        R["phase"]["all_kernels"] = phase_means(s, a, b, ks, lambda n: True)
-        R["phase"]["lag_sm_active"] = busy_lag(s, a, b, ks, "pm_sm_active_pct")
-        # last sample end vs CUPTI now at stop: same domain if small and positive
-        R["phase"]["stop_minus_last_t1_us"] = (s.clock[-1]["cupti_ns"] - int(s.t1[-1])) / 1000.0
-        R["phase"]["first_t0_minus_start_us"] = (int(s.t0[0]) - s.clock[0]["cupti_ns"]) / 1000.0
+    R["phase"] = {"raw_gaps": gaps(s), "stats": s.stats, "clock": s.clock, "batches": len(s.batches),
+                  "kernels": len(ks), "marker_ts": mark_ts}
+    a, b, keep, mp = mapped(s, mark_ts, mu)
+    R["phase"]["mapping"] = mp.__dict__
+    a, b = a[keep], b[keep]
+    v = rates(s.metrics, s.values[keep], a, b)
+    d = np.diff(a)
+    R["phase"]["gap_us"] = {"median": float(np.median(d)), "p99": float(np.percentile(d, 99)), "max": float(d.max())}
+    low = lambda n: n.lower()  # noqa: E731
+    R["phase"]["gemm"] = phase_means(s.columns, v, a, b, ks, lambda n: "gemm" in low(n) or "nvjet" in low(n))
+    R["phase"]["elementwise"] = phase_means(s.columns, v, a, b, ks, lambda n: "elementwise" in low(n))
+    R["phase"]["idle"] = outside_means(s.columns, v, a, b, ks)
+    kk = [k for k in ks if k["cat"] == "kernel"]
+    if "pm_sm_active_pct" in s.columns:
+        chk = alignment_check(a, b, v[:, s.columns.index("pm_sm_active_pct")], np.array([k["ts"] for k in kk]),
+                              np.array([k["ts"] + k["dur"] for k in kk]))
+        R["phase"]["alignment"] = chk.__dict__
+    data = {"columns": s.columns, "metrics": s.metrics, "clock": s.clock, "batches": s.batches,
+            "marker_unix_ns": list(mu), "marker_ts_us": mark_ts, "interval_us": 100, "chip": s.stats.get("chip"),
+            "device_name": R["device"], "t0": [int(x) for x in s.t0], "t1": [int(x) for x in s.t1],
+            "values": [[float(f"{x:.6g}") for x in row] for row in s.values.tolist()], "kernels": kk}
+    with gzip.open(os.path.join(OUT, "pm_phases_h100.json.gz"), "wt") as f:
+        json.dump(data, f)
     del big, a16, b16
+    torch.cuda.empty_cache()
 
 
 def gpt2(chosen: dict) -> None:
+    """Step time of GPT-2 training: none / PM sampler / Kineto / Kineto + PM, interleaved."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
@@ -211,7 +223,7 @@ def gpt2(chosen: dict) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     B, T = 8, 1024
 
-    def step(i: int) -> float:
+    def step() -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         xb = torch.randint(0, 50257, (B, T)).to("cuda")
@@ -223,14 +235,14 @@ def gpt2(chosen: dict) -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    for i in range(8):
-        step(i)
-    N = int(os.environ.get("PROBE_STEPS", "12"))
-    ROUNDS = int(os.environ.get("PROBE_ROUNDS", "3"))
-    res: dict[str, list[float]] = {"none": [], "pm": [], "kineto": [], "kineto+pm": []}
-    keep = None
+    for _ in range(8):
+        step()
+    N = int(os.environ.get("PROBE_STEPS", "10"))
+    ROUNDS = int(os.environ.get("PROBE_ROUNDS", "5"))
+    modes = ["none", "pm", "kineto", "kineto+pm"]
+    res: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(ROUNDS):
-        for mode in list(res):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):  # alternate the order against drift
             samp = prof = None
             if "pm" in mode:
                 samp = pm.PmSampler(0, 100, chosen)
@@ -238,54 +250,21 @@ def gpt2(chosen: dict) -> None:
             if "kineto" in mode:
                 prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 prof.start()
-                mu = marker()
-            ts = [step(i) for i in range(N)]
+            ts = [step() for _ in range(N)]
+            s = samp.stop() if samp is not None else None  # before the profiler's teardown, as the agent does
             if prof is not None:
                 prof.stop()
-            s = samp.stop() if samp is not None else None
+                del prof
             res[mode].append(statistics.median(ts))
-            if mode == "kineto+pm" and r == ROUNDS - 1 and s is not None:
-                ks, mark_ts = kineto_kernels(prof, "/tmp/gpt_trace.json")
-                keep = (s, ks, mark_ts, mu)
-            elif mode == "pm" and s is not None:
-                R.setdefault("gpt2_pm_only", []).append({"gaps": gaps(s), "stats": s.stats})
+            if s is not None:
+                R.setdefault("gpt2_pm_runs", []).append({"mode": mode, "rows": int(len(s.t0)), "stats": s.stats})
     base = statistics.median(res["none"])
+    kin = statistics.median(res["kineto"])
     R["gpt2"] = {"median_step_ms": {m: round(statistics.median(v) * 1e3, 3) for m, v in res.items()},
                  "per_round_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in res.items()},
                  "ratio_vs_none": {m: round(statistics.median(v) / base, 4) for m, v in res.items()},
+                 "kineto+pm_vs_kineto": round(statistics.median(res["kineto+pm"]) / kin, 4),
                  "steps": N, "rounds": ROUNDS}
-    kin = statistics.median(res["kineto"])
-    R["gpt2"]["kineto+pm_vs_kineto"] = round(statistics.median(res["kineto+pm"]) / kin, 4)
-    if keep is None:
-        return
-    s, ks, mark_ts, mu = keep
-    R["gpt2"]["gaps"] = gaps(s)
-    R["gpt2"]["stats"] = s.stats
-    a, b = to_trace_us(s, mark_ts, mu)
-    low = lambda n: n.lower()  # noqa: E731
-    R["gpt2"]["gemm"] = phase_means(s, a, b, ks, lambda n: any(k in low(n) for k in ("gemm", "nvjet", "sm90_xmma", "cutlass")))
-    R["gpt2"]["elementwise"] = phase_means(s, a, b, ks, lambda n: "elementwise" in low(n) or "vectorized" in low(n))
-    R["gpt2"]["flash"] = phase_means(s, a, b, ks, lambda n: "flash" in low(n) or "fmha" in low(n))
-    R["gpt2"]["lag_sm_active"] = busy_lag(s, a, b, ks, "pm_sm_active_pct")
-    names: dict[str, int] = {}
-    for k in ks:
-        names[k["name"][:80]] = names.get(k["name"][:80], 0) + 1
-    R["gpt2"]["top_kernels"] = sorted(names.items(), key=lambda kv: -kv[1])[:25]
-    # recorded data for the CPU tests: ~2 steps' window in the middle, raw CUPTI times
-    mid = len(s.t0) // 2
-    span = int(0.2e9 / max(1, np.median(np.diff(s.t0.astype(np.int64)))))
-    lo, hi = max(0, mid - span // 2), min(len(s.t0), mid + span // 2)
-    w0 = a[lo] if lo < len(a) else 0
-    w1 = b[hi - 1] if hi > lo else 0
-    data = {"columns": s.columns, "metrics": s.metrics, "clock": s.clock, "marker_unix_ns": list(mu),
-            "marker_ts_us": mark_ts, "interval_us": 100, "chip": s.stats.get("chip"), "device_name": R["device"],
-            "t0": [int(v) for v in s.t0[lo:hi]], "t1": [int(v) for v in s.t1[lo:hi]],
-            "values": [[round(float(v), 4) for v in row] for row in s.values[lo:hi]],
-            "kernels": [k for k in ks if k["ts"] + k["dur"] >= w0 and k["ts"] <= w1]}
-    with gzip.open(os.path.join(OUT, "pm_gpt2.json.gz"), "wt") as f:
-        json.dump(data, f)
-    np.savez_compressed(os.path.join(OUT, "pm_gpt2_full.npz"), t0=s.t0, t1=s.t1, values=s.values,
-                        columns=np.array(s.columns))
 
 
 if __name__ == "__main__":
@@ -297,4 +276,4 @@ if __name__ == "__main__":
         raise
     finally:
         save()
-        print(json.dumps({k: v for k, v in R.items() if k not in ("interesting",)}, indent=1, default=str)[:9000])
+        print(json.dumps(R, indent=1, default=str)[:6000])

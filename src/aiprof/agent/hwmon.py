@@ -377,28 +377,42 @@ PM_FILE = "pm.csv.gz"
 
 def write_pm_csv(path: str, pm: Any, trace_minus_unix_us: float, label: str) -> dict[str, Any]:
     """Write PM samples as ``t0_us,t1_us,device,<column>...`` (gzipped, trace clock; one row per
-    sample) and return what meta.json keeps of them: rows, achieved gaps, clock mapping."""
+    sample; counts turned into per-second rates) and return what meta.json keeps of them: rows,
+    achieved gaps, the clock mapping (trace.pmclock.map_batches)."""
     import gzip
 
     import numpy as np
 
-    from aiprof.trace.pmclock import cupti_to_trace_us, drift_ppm
+    from aiprof.agent.pmsampling import SCALE, is_count
+    from aiprof.trace.pmclock import map_batches
 
-    a = cupti_to_trace_us(pm.t0, pm.clock, trace_minus_unix_us)
-    b = cupti_to_trace_us(pm.t1, pm.clock, trace_minus_unix_us)
+    try:
+        u0, u1, keep, mp = map_batches(pm.t0, pm.t1, pm.batches, pm.clock)
+        mapping: dict[str, Any] = {"slope": mp.slope, "pairs": mp.pairs, "kept": mp.kept,
+                                   "dropped_other_domain": mp.dropped, "max_decode_lag_ms": round(mp.max_lag_ms, 3)}
+    except ValueError as exc:
+        u0 = u1 = np.zeros(0)
+        keep = np.zeros(len(pm.t0), dtype=bool)
+        mapping = {"error": str(exc), "kept": 0, "dropped_other_domain": int(len(pm.t0))}
+    a = u0[keep] / 1000.0 + trace_minus_unix_us
+    b = u1[keep] / 1000.0 + trace_minus_unix_us
+    vals = pm.values[keep].astype(np.float64)
+    win_s = np.maximum((b - a) * 1e-6, 1e-9)
+    for j, m in enumerate(pm.metrics):
+        if is_count(m):
+            vals[:, j] = vals[:, j] * SCALE.get(m, 1.0) / win_s
     with gzip.open(path, "wt", compresslevel=3) as f:
         f.write("t0_us,t1_us,device," + ",".join(pm.columns) + "\n")
-        vals = pm.values
         for i in range(len(a)):
             f.write(f"{a[i]:.3f},{b[i]:.3f},{label}," + ",".join(f"{v:.6g}" for v in vals[i].tolist()) + "\n")
-    gaps = np.diff(pm.t0.astype(np.int64)) / 1000.0 if len(pm.t0) > 1 else np.zeros(0)
+    gaps = np.diff(a) if len(a) > 1 else np.zeros(0)
     return {
         "file": os.path.basename(path), "rows": int(len(a)), "device": label,
         "columns": pm.columns, "metrics": pm.metrics,
         "gap_us": {"median": round(float(np.median(gaps)), 3), "p99": round(float(np.percentile(gaps, 99)), 3),
                    "max": round(float(gaps.max()), 3)} if len(gaps) else None,
-        "clock": {"pairs": pm.clock, "drift_ppm": drift_ppm(pm.clock), "trace_minus_unix_us": trace_minus_unix_us,
-                  "method": "line through (cuptiGetTimestamp, CLOCK_REALTIME) pairs at start and stop, "
-                            "then the capture's marker offset"},
+        "clock": {"pairs": pm.clock, "mapping": mapping, "trace_minus_unix_us": trace_minus_unix_us,
+                  "method": "CUPTI time -> unix by a line through the clock pairs of the final timestamp domain "
+                            "(one pair after each decode), then the capture's marker offset"},
         "stats": pm.stats,
     }

@@ -74,6 +74,42 @@ static uint64_t g_dropped, g_overflows, g_decode_errors, g_decodes, g_full_image
 static double g_decode_s, g_eval_s;
 static int g_last_error;
 
+/* a clock pair taken right after each decode: the rows decoded by then were converted to the
+ * timestamp domain CUPTI had at that moment (a profiler's timestamp callback can change it) */
+typedef struct {
+    uint64_t row_end, cupti_ns;
+    int64_t unix_ns;
+} aps_batch;
+#define APS_MAX_BATCHES 16384
+static aps_batch g_batches[APS_MAX_BATCHES];
+static size_t g_nb;
+
+static void note_batch(void) {
+    if (g_nb >= APS_MAX_BATCHES || !p_GetTimestamp) return;
+    if (g_nb > 0 && g_batches[g_nb - 1].row_end == g_n) return; /* nothing new decoded */
+    struct timespec a, b;
+    uint64_t t;
+    clock_gettime(CLOCK_REALTIME, &a);
+    if (p_GetTimestamp(&t) != CUPTI_SUCCESS) return;
+    clock_gettime(CLOCK_REALTIME, &b);
+    int64_t ua = (int64_t)a.tv_sec * 1000000000LL + a.tv_nsec;
+    int64_t ub = (int64_t)b.tv_sec * 1000000000LL + b.tv_nsec;
+    g_batches[g_nb].row_end = g_n;
+    g_batches[g_nb].cupti_ns = t;
+    g_batches[g_nb].unix_ns = ua + (ub - ua) / 2;
+    g_nb++;
+}
+
+size_t aps_batch_count(void) { return g_nb; }
+
+void aps_copy_batches(uint64_t *row_end, uint64_t *cupti_ns, int64_t *unix_ns) {
+    for (size_t i = 0; i < g_nb; i++) {
+        row_end[i] = g_batches[i].row_end;
+        cupti_ns[i] = g_batches[i].cupti_ns;
+        unix_ns[i] = g_batches[i].unix_ns;
+    }
+}
+
 static pthread_t g_thread;
 static volatile int g_stop_req, g_running;
 static unsigned g_period_us;
@@ -520,6 +556,7 @@ static int decode_once(void) {
         for (int m = 0; m < g_nm; m++) row->v[m] = (float)vals[m];
     }
     g_eval_s += now_s() - t1;
+    note_batch();
     memcpy(g_cdi, g_cdi_clean, g_cdi_size);
     return dp.decodeStopReason == CUPTI_PM_SAMPLING_DECODE_STOP_REASON_END_OF_RECORDS;
 }
@@ -551,6 +588,7 @@ int aps_start(unsigned decode_period_us) {
     }
     if (g_running) return 0;
     g_n = 0;
+    g_nb = 0;
     g_dropped = g_overflows = g_decode_errors = g_decodes = g_full_image = 0;
     g_decode_s = g_eval_s = 0;
     g_period_us = decode_period_us;

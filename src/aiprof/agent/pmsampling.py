@@ -38,12 +38,15 @@ DEFAULT_INTERVAL_US = 100
 MIN_INTERVAL_US = 20
 #: Longest period: beyond this NVML/GPM (100 ms windows) already covers the need.
 MAX_INTERVAL_US = 100_000
-#: How often our thread decodes the hardware buffer: 20 ms holds 200 samples at 100 µs.
-DECODE_PERIOD_US = 20_000
+#: How often our thread decodes the hardware buffer: 10 ms holds 100 samples at 100 µs.
+DECODE_PERIOD_US = 10_000
 #: Hardware buffer for raw records between decodes; 64 MiB leaves >10x slack over one period.
 HW_BUFFER_BYTES = 64 << 20
-#: Samples one counter-data image holds per decode (> one period's worth at MIN_INTERVAL_US).
-SAMPLES_PER_DECODE = 4096
+#: One counter-data image holds this many decode periods' samples: the slack for a late decode.
+#: (An image costs ~16 KB a sample on GH100 and is copied clean after every decode, so it is
+#: sized to the interval instead of a fixed maximum.)
+DECODE_SLACK = 3
+MIN_SAMPLES_PER_DECODE = 64
 #: Rows kept for one capture: 60 s (the longest capture) at 100 µs. Rows past it are counted
 #: as dropped, never grown: ~48 MiB at 16 metrics.
 MAX_ROWS = 600_000
@@ -53,55 +56,42 @@ STOP_TIMEOUT_S = 5.0
 BUILD_TIMEOUT_S = 120
 
 # role -> (column, unit, candidate CUPTI metric names, best first). Columns carry their unit;
-# "_pct" columns are 0-100 of the unit's peak over the sample window.
+# "_pct" columns are 0-100 of the unit's peak over the sample window. A candidate that counts
+# events in the window (``is_count``: bytes, sectors, cycles) becomes the column's unit per
+# second: times SCALE, divided by the window's length when the samples are written
+# (agent/hwmon.py). GH100 names read off the chip's PM-sampling metric list (bench/pm_probe.py
+# writes it): byte counters there take no ".per_second" rollup, so bytes are counted and turned
+# into rates here.
 ROLES: list[tuple[str, str, list[str]]] = [
     ("pm_sm_active_pct", "%", ["sm__cycles_active.avg.pct_of_peak_sustained_elapsed"]),
     ("pm_sm_issue_pct", "%", ["sm__inst_executed_realtime.avg.pct_of_peak_sustained_elapsed",
-                              "sm__inst_executed.avg.pct_of_peak_sustained_elapsed",
-                              "sm__issue_active.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_tensor_active_pct", "%", ["sm__pipe_tensor_op_hmma_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
-                                   "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
-                                   "sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
-                                   "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed",
-                                   "sm__pipe_shared_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_warps_active_pct", "%", ["sm__warps_active.avg.pct_of_peak_sustained_elapsed",
-                                  "sm__warps_active_realtime.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_dram_read_Bps", "B/s", ["dram__bytes_read.sum.per_second", "dramc__read_bytes.sum.per_second"]),
-    ("pm_dram_write_Bps", "B/s", ["dram__bytes_write.sum.per_second", "dramc__write_bytes.sum.per_second"]),
-    ("pm_dram_read_pct", "%", ["dramc__read_throughput.avg.pct_of_peak_sustained_elapsed",
-                               "dram__read_throughput.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_dram_write_pct", "%", ["dramc__write_throughput.avg.pct_of_peak_sustained_elapsed",
-                                "dram__write_throughput.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_l2_pct", "%", ["lts__t_sectors.avg.pct_of_peak_sustained_elapsed",
-                        "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-                        "lts__d_sectors.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_nvlink_tx_Bps", "B/s", ["nvltx__bytes.sum.per_second", "nvlink__tx_bytes.sum.per_second"]),
-    ("pm_nvlink_rx_Bps", "B/s", ["nvlrx__bytes.sum.per_second", "nvlink__rx_bytes.sum.per_second"]),
-    ("pm_pcie_read_Bps", "B/s", ["pcie__read_bytes.sum.per_second"]),
-    ("pm_pcie_write_Bps", "B/s", ["pcie__write_bytes.sum.per_second"]),
-    ("pm_gpc_clock_hz", "Hz", ["gpc__cycles_elapsed.avg.per_second"]),
+                              "sm__inst_executed.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_tensor_active_pct", "%", ["sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
+                                   "sm__pipe_tensor_op_hmma_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
+                                   "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_dram_read_Bps", "B/s", ["dram__bytes_read.sum", "dramc__sectors_op_read.sum"]),
+    ("pm_dram_write_Bps", "B/s", ["dram__bytes_write.sum", "dramc__sectors_op_write.sum"]),
+    ("pm_nvlink_tx_Bps", "B/s", ["nvltx__bytes.sum"]),
+    ("pm_nvlink_rx_Bps", "B/s", ["nvlrx__bytes.sum"]),
+    ("pm_pcie_read_Bps", "B/s", ["pcie__read_bytes.sum"]),
+    ("pm_pcie_write_Bps", "B/s", ["pcie__write_bytes.sum"]),
+    ("pm_l2_Bps", "B/s", ["lts__t_bytes.sum", "lts__t_sectors.sum"]),
+    ("pm_dram_pct", "%", ["dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                          "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+                          "dramc__throughput.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_l2_pct", "%", ["lts__throughput.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_warps_active_pct", "%", ["sm__warps_active_realtime.avg.pct_of_peak_sustained_elapsed",
+                                  "sm__warps_active.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_gpc_clock_hz", "Hz", ["gpc__cycles_elapsed.max", "gpc__cycles_elapsed.avg"]),
 ]
 COLUMN_UNITS = {col: unit for col, unit, _ in ROLES}
-# Second tier when no listed name is accepted (other chips name counters differently): base
-# metrics matching the pattern, with the suffix that gives the column's unit.
-_PCT = (".avg.pct_of_peak_sustained_elapsed", ".sum.pct_of_peak_sustained_elapsed")
-_RATE = (".sum.per_second",)
-ROLE_PATTERNS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "pm_sm_active_pct": (r"^sm__cycles_active", _PCT),
-    "pm_sm_issue_pct": (r"^sm__(inst_executed|issue_active)", _PCT),
-    "pm_tensor_active_pct": (r"^sm__pipe_.*tensor.*cycles_active", _PCT),
-    "pm_warps_active_pct": (r"^sm__warps_active", _PCT),
-    "pm_dram_read_Bps": (r"^dramc?__(bytes_read|read_bytes)", _RATE),
-    "pm_dram_write_Bps": (r"^dramc?__(bytes_write|write_bytes)", _RATE),
-    "pm_dram_read_pct": (r"^dramc?__read_throughput", _PCT),
-    "pm_dram_write_pct": (r"^dramc?__write_throughput", _PCT),
-    "pm_l2_pct": (r"^lts__t_(sectors|requests)$", _PCT),
-    "pm_nvlink_tx_Bps": (r"^nvl.*tx.*bytes|^nvltx__bytes", _RATE),
-    "pm_nvlink_rx_Bps": (r"^nvl.*rx.*bytes|^nvlrx__bytes", _RATE),
-    "pm_pcie_read_Bps": (r"^pcie.*read_bytes", _RATE),
-    "pm_pcie_write_Bps": (r"^pcie.*write_bytes", _RATE),
-    "pm_gpc_clock_hz": (r"^gpc__cycles_elapsed", (".avg.per_second",)),
-}
+#: Counts that are not bytes -> bytes per event (an L2/DRAM sector is 32 bytes).
+SCALE = {"dramc__sectors_op_read.sum": 32.0, "dramc__sectors_op_write.sum": 32.0, "lts__t_sectors.sum": 32.0}
+
+
+def is_count(metric: str) -> bool:
+    """True when the metric counts events in the window (turned into a per-second rate)."""
+    return metric.endswith((".sum", ".max", ".avg")) and ".pct_" not in metric and ".per_" not in metric
 
 
 class PmUnavailable(RuntimeError):
@@ -299,39 +289,69 @@ def list_metrics(device: int = 0) -> list[tuple[int, str]]:
     return out
 
 
-def resolve_metrics(device: int = 0, roles: list[tuple[str, str, list[str]]] | None = None) -> dict[str, str]:
+def _cache_file(chip: str) -> str:
+    return os.path.join(_cache_dir(), f"pm-metrics-{chip or 'unknown'}-v1.json")
+
+
+def resolve_metrics(device: int = 0, roles: list[tuple[str, str, list[str]]] | None = None,
+                    diagnose: dict | None = None) -> dict[str, str]:
     """column -> CUPTI metric: per role the first candidate the chip accepts, all in one pass.
 
-    Roles are kept in priority order: if the whole set needs more than one pass (PM sampling
-    takes one), the last roles are dropped until it fits.
+    The answer is cached per chip (resolving costs seconds: each check builds a config image).
+    All first candidates are tried together first; one by one only when that fails. Roles are
+    in priority order: if the set needs more than one pass (PM sampling takes one), the last
+    roles are dropped until it fits. ``diagnose`` (a dict) receives why each rejected candidate
+    failed, and bypasses the cache.
     """
-    import re
+    import json
 
     lib = _load()
+    roles = roles or ROLES
+    firsts = [(c, cands[0]) for c, _u, cands in roles]
+    rc_all = lib.aps_passes(device, _names([m for _, m in firsts]), len(firsts))
+    chip = lib.aps_chip().decode(errors="replace")
+    cache = _cache_file(chip) if chip and roles is ROLES else None
+    if cache and os.path.exists(cache) and diagnose is None:
+        try:
+            with open(cache) as f:
+                got = json.load(f)
+            if isinstance(got, dict) and got:
+                return {str(k): str(v) for k, v in got.items()}
+        except (OSError, ValueError):
+            pass
     chosen: dict[str, str] = {}
-    base: list[str] | None = None
-    for col, _unit, cands in roles or ROLES:
-        for name in cands:
-            if lib.aps_passes(device, _names([name]), 1) == 1:
-                chosen[col] = name
-                break
-        if col in chosen or col not in ROLE_PATTERNS:
-            continue
-        if base is None:
-            base = [n for _, n in list_metrics(device)]
-        pat, suffixes = ROLE_PATTERNS[col]
-        for b in (n for n in base if re.search(pat, n)):
-            hit = next((b + sfx for sfx in suffixes if lib.aps_passes(device, _names([b + sfx]), 1) == 1), None)
-            if hit:
-                chosen[col] = hit
-                break
+    if rc_all == 1:
+        chosen = dict(firsts)
+    else:
+        if diagnose is not None:
+            diagnose["all first candidates"] = f"passes {rc_all}" if rc_all > 1 else _err(lib)
+        for col, _unit, cands in roles:
+            for name in cands:
+                rc = lib.aps_passes(device, _names([name]), 1)
+                if rc == 1:
+                    chosen[col] = name
+                    break
+                if diagnose is not None:
+                    diagnose[name] = f"passes {rc}" if rc > 1 else _err(lib)
     cols = list(chosen)
     while cols:
         names = [chosen[c] for c in cols]
-        if lib.aps_passes(device, _names(names), len(names)) == 1:
+        rc = lib.aps_passes(device, _names(names), len(names))
+        if rc == 1:
             break
+        if diagnose is not None:
+            diagnose[f"set of {len(names)}"] = f"passes {rc}" if rc > 1 else _err(lib)
         cols.pop()
-    return {c: chosen[c] for c in cols}
+    out = {c: chosen[c] for c in cols}
+    if cache and out:
+        try:
+            tmp = f"{cache}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(out, f)
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    return out
 
 
 @dataclass
@@ -345,6 +365,7 @@ class PmSamples:
     t1: np.ndarray  # uint64 CUPTI ns, sample end
     values: np.ndarray  # float32 [n, len(columns)]
     clock: list[dict[str, int]] = field(default_factory=list)  # clock pairs at start and stop
+    batches: list[dict[str, int]] = field(default_factory=list)  # (row_end, cupti_ns, unix_ns) after each decode
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -378,8 +399,9 @@ class PmSampler:
         self.columns = cols
 
     def _configure(self, names: list[str]) -> int:
+        per = max(MIN_SAMPLES_PER_DECODE, DECODE_SLACK * DECODE_PERIOD_US // self.interval_us)
         return int(self.lib.aps_configure(self.device, _names(names), len(names), self.interval_us * 1000,
-                                          HW_BUFFER_BYTES, SAMPLES_PER_DECODE, self.max_rows))
+                                          HW_BUFFER_BYTES, per, self.max_rows))
 
     def start(self) -> None:
         """Start sampling on the GPU and the decode thread (returns at once)."""
@@ -414,6 +436,11 @@ class PmSampler:
         if n:
             got = self.lib.aps_copy_rows(t0.ctypes.data, t1.ctypes.data, vals.ctypes.data, n)
             t0, t1, vals = t0[:got], t1[:got], vals[:got]
+        nb = int(self.lib.aps_batch_count())
+        re_, bc, bu = np.zeros(nb, np.uint64), np.zeros(nb, np.uint64), np.zeros(nb, np.int64)
+        if nb:
+            self.lib.aps_copy_batches(re_.ctypes.data, bc.ctypes.data, bu.ctypes.data)
+        batches = [{"row_end": int(a), "cupti_ns": int(b), "unix_ns": int(c)} for a, b, c in zip(re_, bc, bu)]
         u = (ctypes.c_uint64 * 5)()
         d = (ctypes.c_double * 2)()
         self.lib.aps_stats(u, d)
@@ -424,7 +451,7 @@ class PmSampler:
         if rc and rc[0] != 0:
             stats["stop_error"] = _err(self.lib)
         return PmSamples(self.device, list(self.columns), [self.metrics[c] for c in self.columns],
-                         t0, t1, vals, list(self.clock), stats)
+                         t0, t1, vals, list(self.clock), batches, stats)
 
 
 def now_s() -> float:

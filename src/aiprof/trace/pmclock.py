@@ -24,6 +24,9 @@ MAX_LAG_US = 5000.0
 MIN_CORRELATION = 0.3
 #: Fewer samples than this cannot carry a correlation.
 MIN_SAMPLES = 50
+#: The check reads at most this many grid points (a quarter period each: ~1 s at 100 µs), so a
+#: 60 s capture costs what a short one does.
+MAX_GRID = 40_000
 
 
 def cupti_to_unix_ns(t: np.ndarray, pairs: list[dict]) -> np.ndarray:
@@ -80,7 +83,7 @@ def alignment_check(t0_us: np.ndarray, t1_us: np.ndarray, activity: np.ndarray,
     if not period > 0:
         return AlignmentCheck(None, None, n, "sample times do not increase")
     step = period / 4.0
-    grid = np.arange(t0[0], t1[-1], step)
+    grid = np.arange(t0[0], min(t1[-1], t0[0] + MAX_GRID * step), step)
     busy = np.zeros(len(grid) + 1)
     ks, ke = np.asarray(k_start_us, dtype=np.float64), np.asarray(k_end_us, dtype=np.float64)
     i0 = np.searchsorted(grid, ks)
@@ -107,3 +110,80 @@ def alignment_check(t0_us: np.ndarray, t1_us: np.ndarray, activity: np.ndarray,
     if best_c < MIN_CORRELATION:
         return AlignmentCheck(None, best_c if best_c > -2 else None, n, f"correlation {best_c:.2f} < {MIN_CORRELATION}")
     return AlignmentCheck(best_i * step, best_c, n)
+
+
+#: A decoded sample ends at most this long before the decode that read it (the decode thread
+#: runs every 10 ms; a full second allows for a descheduled thread). Longer: another domain.
+MAX_DECODE_LAG_NS = 1e9
+#: Two clock pairs belong to one timestamp domain when the slope between them matches the
+#: domain's within this (the CUPTI clock is the host's, or a TSC, or the GPU timer: each linear).
+SLOPE_TOL = 0.01
+
+
+@dataclass
+class Mapping:
+    """How PM samples were put on the host clock (:func:`map_batches`)."""
+
+    slope: float  # host ns per CUPTI tick in the final domain
+    pairs: int  # clock pairs that define it
+    kept: int
+    dropped: int  # samples decoded in another domain (before a profiler's timestamp callback)
+    max_lag_ms: float  # longest decode lag among the kept samples
+
+
+def map_batches(t0: np.ndarray, t1: np.ndarray, batches: list[dict], pairs: list[dict]) -> tuple[
+        np.ndarray, np.ndarray, np.ndarray, Mapping]:
+    """Unix ns of each sample's start and end, a mask of the samples kept, and the mapping.
+
+    CUPTI converts PM timestamps when it decodes them, into the domain its clock has at that
+    moment: the GPU timer, or the domain of a timestamp callback a profiler registered (Kineto
+    registers one, in TSC ticks). ``batches`` holds a (row_end, cupti_ns, unix_ns) pair taken
+    after each decode; ``pairs`` the ones at start and stop. The last run of pairs with one
+    slope defines the final domain (a least-squares line); a batch is kept when its pair lies in
+    that run and its samples end before, and at most ``MAX_DECODE_LAG_NS`` before, the decode.
+    """
+    t0 = np.asarray(t0, dtype=np.float64)
+    t1 = np.asarray(t1, dtype=np.float64)
+    pts = [(0, float(p["cupti_ns"]), float(p["unix_ns"])) for p in pairs[:1]]
+    pts += [(int(b["row_end"]), float(b["cupti_ns"]), float(b["unix_ns"])) for b in batches]
+    pts += [(len(t0), float(p["cupti_ns"]), float(p["unix_ns"])) for p in pairs[1:]]
+    if len(pts) < 2:
+        raise ValueError("need two clock pairs to map PM samples")
+    run = [len(pts) - 1]
+    slope = None
+    for i in range(len(pts) - 2, -1, -1):
+        dc = pts[run[-1]][1] - pts[i][1]
+        du = pts[run[-1]][2] - pts[i][2]
+        if dc <= 0 or du <= 0:
+            if slope is None and dc == 0:
+                continue
+            break
+        s = du / dc
+        if slope is None:
+            slope = s
+        elif abs(s / slope - 1.0) > SLOPE_TOL:
+            break
+        run.append(i)
+    if slope is None or len(run) < 2:
+        raise ValueError("no two clock pairs in one timestamp domain")
+    c = np.array([pts[i][1] for i in run])
+    u = np.array([pts[i][2] for i in run])
+    s, a = np.polyfit(c - c.mean(), u, 1)
+    u0 = a + s * (t0 - c.mean())
+    u1 = a + s * (t1 - c.mean())
+    keep = np.zeros(len(t0), dtype=bool)
+    inrun = set(run)
+    lag_max = 0.0
+    prev = 0
+    for i, (row_end, _c, uj) in enumerate(pts):
+        row_end = min(row_end, len(t0))
+        if row_end <= prev:
+            continue
+        if i in inrun:
+            lag = uj - u1[prev:row_end]
+            ok = (lag >= -1e6) & (lag <= MAX_DECODE_LAG_NS)
+            keep[prev:row_end] = ok
+            if ok.any():
+                lag_max = max(lag_max, float(lag[ok].max()))
+        prev = row_end
+    return u0, u1, keep, Mapping(float(s), len(run), int(keep.sum()), int((~keep).sum()), lag_max / 1e6)
