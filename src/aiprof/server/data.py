@@ -10,6 +10,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from aiprof.agent.pmsampling import COLUMN_UNITS
+from aiprof.analysis.counters import load_pm
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.hotspots import hotspots
@@ -266,6 +268,11 @@ class CaptureData:
         if hw is not None:
             counters += [{"id": f"hw:{d}:{m}", "name": f"{d} {m}", "device": d,
                           "unit": "bytes" if m.endswith("_bytes") else ""} for d, m in sorted(hw.series)]
+        pm = load_pm(rt)
+        if pm is not None:  # the GPU's PM counters: drawn under the GPU tracks (web/src/pages/timeline.js)
+            counters += [{"id": f"pm:{pm.device}:{m}", "name": f"{pm.device} {m.removeprefix('pm_')}",
+                          "device": pm.device, "group": "gpu", "unit": COLUMN_UNITS.get(m, "")}
+                         for m in sorted(pm.values)]
         return {"rank": rt.rank, "origin_ns": self.origin(), "offset_ns": self.offset_ns(rt.rank),
                 "start": tl.start_ns + sh, "end": tl.end_ns + sh, "host": rt.meta.get("host_name", "") or "",
                 "events": tl.events, "lanes": timeline.lanes_info(tl), "counters": counters,
@@ -297,6 +304,12 @@ class CaptureData:
                 d = timeseries.downsample(ts, v, a, b, px, how="mean")
                 out[f"hw:{dev}:{m}"] = {"ts": [t + sh for t in d["ts"]], "value": d["value"], "before": d["before"],
                                         "after": d["after"]}
+        pm = load_pm(rt)
+        if pm is not None:  # level of detail as for kernels: the mean of the samples in each pixel
+            for m, v in pm.values.items():
+                d = timeseries.downsample(pm.t0, v, a, b, px, how="mean")
+                out[f"pm:{pm.device}:{m}"] = {"ts": [t + sh for t in d["ts"]], "value": d["value"],
+                                              "before": d["before"], "after": d["after"]}
         return {"counters": out}
 
     def _ui_ref(self, ref: dict | None, sh: int) -> dict | None:
