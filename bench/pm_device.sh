@@ -25,7 +25,7 @@ grep -i "SM_ARRAY_IDLE\|SMs idle\|SM active" /tmp/analyze.txt | head -5
 python3 -c "import json; r=json.load(open('/tmp/keep/report.json')); c=r['ranks'][0].get('counters') or {}; print(json.dumps({k: c.get(k) for k in ('samples','interval_us','alignment','matmul','not_matmul','during_kernels','outside_kernels')}, default=str)[:3000])"
 timeout 20 python3 -m aiprof export /tmp/caps/gpt2pm --format chrome -o /tmp/gpt2pm.json > /tmp/export.log 2>&1; echo "export rc=$?"; tail -2 /tmp/export.log
 python3 -c "import json; t=json.load(open('/tmp/gpt2pm.json')); ev=t['traceEvents'] if isinstance(t,dict) else t; c=[e for e in ev if e.get('ph')=='C' and 'pm_' in e.get('name','')]; print('chrome pm counter events', len(c), sorted({e['name'] for e in c})[:20])"
-timeout 125 python3 bench/overhead.py --levels kernels,hw,hw-nopm --rounds 3 --steps 15 --active 6 --out /tmp/ovh > /tmp/overhead.log 2>&1; echo "overhead rc=$?"
+timeout 125 python3 bench/overhead.py --levels kernels,hw,hw-nopm --rounds 3 --steps 20 --active 8 --pretouch-gb 16 --out /tmp/ovh > /tmp/overhead.log 2>&1; echo "overhead rc=$?"
 tail -12 /tmp/overhead.log; cat /tmp/overhead.log >> "$L"; cp /tmp/ovh/overhead.json /tmp/keep/ 2>/dev/null
 cp -r /tmp/caps/gpt2pm/rank0 /tmp/keep/; (cd /tmp/keep && tar czf "$OUT/keep.tgz" .)
 ls -la "$OUT"
