@@ -389,7 +389,7 @@ def write_pm_csv(path: str, pm: Any, trace_minus_unix_us: float, label: str) -> 
     try:
         u0, u1, keep, mp = map_batches(pm.t0, pm.t1, pm.batches, pm.clock)
         mapping: dict[str, Any] = {"slope": mp.slope, "pairs": mp.pairs, "kept": mp.kept,
-                                   "dropped_other_domain": mp.dropped, "max_decode_lag_ms": round(mp.max_lag_ms, 3)}
+                                   "dropped_other_domain": mp.dropped, "invalid_times": mp.invalid, "max_decode_lag_ms": round(mp.max_lag_ms, 3)}
     except ValueError as exc:
         u0 = u1 = np.zeros(0)
         keep = np.zeros(len(pm.t0), dtype=bool)

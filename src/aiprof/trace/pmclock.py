@@ -115,6 +115,9 @@ def alignment_check(t0_us: np.ndarray, t1_us: np.ndarray, activity: np.ndarray,
 #: A decoded sample ends at most this long before the decode that read it (the decode thread
 #: runs every 10 ms; a full second allows for a descheduled thread). Longer: another domain.
 MAX_DECODE_LAG_NS = 1e9
+#: A kept sample's window is at most this many times the median window: CUPTI hands some
+#: samples around a domain switch a zero start time (seen on H100), which would span seconds.
+MAX_WINDOW_RATIO = 10.0
 #: Two clock pairs belong to one timestamp domain when the slope between them matches the
 #: domain's within this (the CUPTI clock is the host's, or a TSC, or the GPU timer: each linear).
 SLOPE_TOL = 0.01
@@ -128,6 +131,7 @@ class Mapping:
     pairs: int  # clock pairs that define it
     kept: int
     dropped: int  # samples decoded in another domain (before a profiler's timestamp callback)
+    invalid: int  # samples in the domain with an impossible window (zero start, end before start)
     max_lag_ms: float  # longest decode lag among the kept samples
 
 
@@ -186,4 +190,11 @@ def map_batches(t0: np.ndarray, t1: np.ndarray, batches: list[dict], pairs: list
             if ok.any():
                 lag_max = max(lag_max, float(lag[ok].max()))
         prev = row_end
-    return u0, u1, keep, Mapping(float(s), len(run), int(keep.sum()), int((~keep).sum()), lag_max / 1e6)
+    dropped = int((~keep).sum())
+    width = u1 - u0
+    sane = (t0 > 0) & (width > 0)
+    if (keep & sane).any():
+        sane &= width <= MAX_WINDOW_RATIO * float(np.median(width[keep & sane]))
+    invalid = int((keep & ~sane).sum())
+    keep &= sane
+    return u0, u1, keep, Mapping(float(s), len(run), int(keep.sum()), dropped, invalid, lag_max / 1e6)
