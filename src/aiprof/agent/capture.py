@@ -92,6 +92,7 @@ class CaptureDriver:
         self._reset()
         self.last_result: dict | None = None
         self.captures_done = 0
+        self._pm_prewarm_started = False  # once per process: the PM sampler's library and metrics
         self.holding_since: float | None = None  # perf_counter while prepare/start/stop runs on the job's thread
         self.held_until: float | None = None  # when the last of those ended
 
@@ -149,6 +150,8 @@ class CaptureDriver:
         req = self.req
         if req is None or st in (IDLE, EXPORTING):
             return
+        if st == ARMED and not self._pm_prewarm_started:
+            self._prewarm_pm(req)
         now = time.perf_counter()
         if self.pending_main and now - self.pending_since > START_TIMEOUT_S:
             what = self.pending_main
@@ -166,6 +169,30 @@ class CaptureDriver:
         elif st == RECORDING and self.mode == "time" and self.pending_main is None:
             if (now - self.t_start) * 1e3 >= req.fallback_duration_ms:
                 self._schedule_main("stop")
+
+    def _prewarm_pm(self, req: CaptureRequest) -> None:
+        """While armed: load the PM sampler and find its metrics on a thread of its own (seconds
+        the first time), so that the capture's sampler only configures and starts."""
+        if "hw" not in req.what or not req.hw_pm_interval_us:
+            return
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not torch.cuda.is_initialized():
+                return  # never initialise CUDA in the job; ask again at the next poll
+            dev = torch.cuda.current_device()
+        except Exception:
+            return
+        self._pm_prewarm_started = True
+
+        def run() -> None:
+            try:
+                from aiprof.agent.pmsampling import prewarm
+
+                prewarm(dev)
+            except Exception as exc:  # the sampler's own setup reports it again, with the fallback
+                log.info(f"PM sampler prewarm: {type(exc).__name__}: {exc}")
+
+        threading.Thread(target=run, name="aiprof-pm-prewarm", daemon=True).start()
 
     def _schedule_main(self, what: str) -> None:
         from aiprof.agent.mainthread import call_soon_in_main_thread

@@ -182,9 +182,9 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-#: Longest the training thread waits for the PM sampler's setup (first use compiles the C side)
-#: before giving up on it for this capture.
-PM_SETUP_WAIT_S = 2.0
+#: The training thread does not wait for a PM sampler still being set up (it would stall the
+#: job): a capture that ends first has no PM samples, and says so.
+PM_SETUP_WAIT_S = 0.0
 
 
 class HwSampler:
@@ -227,12 +227,17 @@ class HwSampler:
             pm = PmSampler(self.cuda_index, self.pm_interval_us)
             with self._pm_lock:
                 if self._pm_cancel:  # the capture already ended
-                    self.pm_status["error"] = "capture ended before PM sampling was set up"
+                    msg = (f"the capture ended before PM sampling was set up "
+                           f"({(time.perf_counter() - t0) * 1e3:.0f} ms); a later capture of this process starts faster")
+                    self.pm_status["error"] = msg
+                    self.notes.append(f"CUPTI PM sampling: {msg}; GPU counters come from NVML/GPM only")
                     return
                 pm.start()
                 self.pm = pm
             self.pm_status.update({"ok": True, "columns": pm.columns, "metrics": pm.metrics, "chip": pm.chip,
-                                   "setup_ms": round((time.perf_counter() - t0) * 1e3, 1)})
+                                   "setup_ms": round((time.perf_counter() - t0) * 1e3, 1),
+                                   "setup_parts_ms": pm.timing_ms,
+                                   "started_unix_ns": time.time_ns()})
             self.sources.append("cupti-pm")
         except Exception as exc:
             msg = str(exc) if type(exc).__name__ == "PmUnavailable" else f"{type(exc).__name__}: {exc}"

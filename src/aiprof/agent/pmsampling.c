@@ -424,11 +424,20 @@ int aps_configure(int dev, const char **names, int n, uint64_t interval_ns, size
     gp.configImageSize = g_config_size;
     gp.pConfigImage = g_config;
     CALL(p_HostGetConfigImage, &gp, "cuptiProfilerHostGetConfigImage");
-    if (!g_obj) {
+    {
+        /* Enable every time: it fails with INVALID_OPERATION while our object is alive (then it
+         * is reused), and succeeds when CUPTI was finalised under it (Kineto's teardown) so a
+         * stale pointer is never configured. */
         PARAMS(CUpti_PmSampling_Enable_Params, ep);
         ep.deviceIndex = (size_t)dev;
-        CALL(p_PmEnable, &ep, "cuptiPmSamplingEnable");
-        g_obj = ep.pPmSamplingObject;
+        CUptiResult r = p_PmEnable(&ep);
+        if (r == CUPTI_SUCCESS) {
+            g_obj = ep.pPmSamplingObject;
+        } else if (!(r == CUPTI_ERROR_INVALID_OPERATION && g_obj)) {
+            g_last_error = (int)r;
+            set_err("cuptiPmSamplingEnable: %s (CUPTI error %d)", res_str(r), (int)r);
+            return -(int)r - 1000;
+        }
     }
     PARAMS(CUpti_PmSampling_SetConfig_Params, cp);
     cp.pPmSamplingObject = g_obj;

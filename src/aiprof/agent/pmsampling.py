@@ -289,6 +289,17 @@ def list_metrics(device: int = 0) -> list[tuple[int, str]]:
     return out
 
 
+_METRICS: dict[int, dict[str, str]] = {}  # device -> resolved metrics, for this process
+
+
+def prewarm(device: int) -> dict[str, str]:
+    """Load the library and resolve the metrics of ``device`` now (kept for the process), so a
+    later :class:`PmSampler` only configures and starts."""
+    if device not in _METRICS:
+        _METRICS[device] = resolve_metrics(device)
+    return _METRICS[device]
+
+
 def _cache_file(chip: str) -> str:
     return os.path.join(_cache_dir(), f"pm-metrics-{chip or 'unknown'}-v1.json")
 
@@ -379,9 +390,12 @@ class PmSampler:
         self.device = device
         self.interval_us = interval_us
         self.max_rows = max_rows
+        t0 = time.perf_counter()
         self.lib = _load()
+        t1 = time.perf_counter()
         self.chip = ""
-        self.metrics = metrics or resolve_metrics(device)
+        self.metrics = metrics or prewarm(device)
+        t2 = time.perf_counter()
         if not self.metrics:
             raise PmUnavailable("no PM sampling metric accepted on this GPU")
         self.chip = self.lib.aps_chip().decode(errors="replace")
@@ -397,6 +411,8 @@ class PmSampler:
                 raise PmUnavailable(f"PM sampling setup: {first}; after a reset: {_err(self.lib)}")
             self.reset = first
         self.columns = cols
+        self.timing_ms = {"load": round((t1 - t0) * 1e3, 1), "metrics": round((t2 - t1) * 1e3, 1),
+                          "configure": round((time.perf_counter() - t2) * 1e3, 1)}
 
     def _configure(self, names: list[str]) -> int:
         per = max(MIN_SAMPLES_PER_DECODE, DECODE_SLACK * DECODE_PERIOD_US // self.interval_us)
