@@ -48,7 +48,8 @@ HW_BUFFER_BYTES = 64 << 20
 DECODE_SLACK = 3
 MIN_SAMPLES_PER_DECODE = 64
 #: Rows kept for one capture: 60 s (the longest capture) at 100 µs. Rows past it are counted
-#: as dropped, never grown: ~48 MiB at 16 metrics.
+#: as dropped, never grown: 144 bytes a row (two times, 32 float slots) = 86 MB at most,
+#: resident only as rows arrive.
 MAX_ROWS = 600_000
 #: Bound on every wait for the C side (stop joins the decode thread).
 STOP_TIMEOUT_S = 5.0
