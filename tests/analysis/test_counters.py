@@ -161,3 +161,37 @@ def test_torn_pm_file_is_skipped_with_a_warning(tmp_path, capsys):
     rt = open_capture(str(root)).ranks[0]
     assert rt.kernels is not None and len(rt.kernels) == len(rec["kernels"])
     assert "PM samples skipped" in capsys.readouterr().err or len(rt.pm) > 0
+
+
+def test_nvlink_during_each_collective_against_the_links_peak(tmp_path, ddp2_dir):
+    """The all-reduce path, which no GPU of this session could run (multi-GPU machines were
+    withheld): rank 0 of the real 2-H200 DDP trace, with PM samples made by hand that read
+    NVLink tx = rx = 180 GB/s while an NCCL kernel runs and nothing otherwise."""
+    import shutil
+
+    d = tmp_path / "cap" / "rank0"
+    d.mkdir(parents=True)
+    shutil.copy(ddp2_dir / "ddp2_slow1_rank0.json.gz", d / "trace.json.gz")
+    rt = open_capture(str(tmp_path / "cap")).ranks[0]
+    k = rt.kernels
+    comm = k.strings("cls").isin_labels(lambda s: s == "communication")
+    assert comm.any()
+    st, en = k["ts"][comm], k["ts"][comm] + k["dur"][comm]
+    t0 = np.arange(int(k["ts"].min()), int((k["ts"] + k["dur"]).max()), 100_000)
+    cov = np.zeros(len(t0))
+    for a, b in zip(st, en):
+        i0, i1 = max(np.searchsorted(t0, a, side="right") - 1, 0), np.searchsorted(t0, b)
+        for i in range(i0, i1):
+            cov[i] += max(0, min(b, t0[i] + 100_000) - max(a, t0[i]))
+    bw = 180e9 * cov / 100_000  # bytes/s averaged over each window
+    with gzip.open(d / "pm.csv.gz", "wt") as f:
+        f.write("t0_us,t1_us,device,pm_sm_active_pct,pm_nvlink_tx_Bps,pm_nvlink_rx_Bps\n")
+        for t, v in zip(t0, bw):
+            f.write(f"{t / 1000:.3f},{t / 1000 + 100:.3f},gpu0,50,{v:.6g},{v:.6g}\n")
+    ca = counter_analysis(open_capture(str(tmp_path / "cap")).ranks[0])
+    assert ca.nvlink_peak_gbps == 450.0  # H200: NVLink 4, 18 links x 25 GB/s a direction
+    assert ca.collectives
+    for c in ca.collectives:
+        # overlap-weighted: during its own kernels a collective reads the rate it was given
+        assert c["nvlink_tx_gbps"] == pytest.approx(180.0, rel=0.02)
+        assert c["nvlink_pct_of_peak"] == pytest.approx(40.0, rel=0.02)
