@@ -424,7 +424,9 @@ class CaptureDriver:
                 rf.__exit__(None, None, None)
             if self.sampler is not None:
                 # PM sampling stops here, before stop_trace, which may finalise CUPTI under it
-                self.sampler.stop_pm()
+                # (only where it can have started: a CPU job's Python trace keeps no agent frame)
+                if self.sampler.pm_interval_us and self.sampler.cuda_index is not None:
+                    self.sampler.stop_pm()
                 self.sampler._stop.set()  # joined by the exporter, not here
             t0 = time.perf_counter()
             with profguard.own():

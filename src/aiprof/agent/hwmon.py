@@ -219,9 +219,11 @@ class HwSampler:
         if not self.pm_interval_us:
             return
         t0 = time.perf_counter()
+        if self.cuda_index is None:  # a CPU job: the note "no CUDA device in use" already says it
+            self.pm_status["error"] = "no CUDA device in use"
+            self._pm_ready.set()
+            return
         try:
-            if self.cuda_index is None:
-                raise RuntimeError("no CUDA device in use")
             from aiprof.agent.pmsampling import PmSampler
 
             pm = PmSampler(self.cuda_index, self.pm_interval_us)
