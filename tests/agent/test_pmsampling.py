@@ -51,12 +51,22 @@ def test_hw_sampler_without_cuda_device_says_so_once():
 def test_hw_sampler_pm_failure_on_a_cpu_machine_is_recorded_not_raised():
     # the real path: build (or find headers missing), load CUPTI, fail to initialise the profiler
     s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.profiler_ready.set()  # as the capture driver does after prepare_trace
     s.start()
     s._pm_ready.wait(120)  # first use may compile the C side
     s.stop(timeout=10)
     assert not s.pm_status["ok"] and s.pm_status["error"]
     assert "cupti-pm" not in s.sources
     assert any("PM sampling unavailable" in n and "NVML/GPM" in n for n in s.notes)
+
+
+def test_pm_setup_waiting_for_the_profiler_is_released_by_stop():
+    # a capture that fails before the profiler is prepared: the setup gives up, no CUPTI call
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.start()
+    s.stop(timeout=10)
+    assert s._pm_ready.wait(10)
+    assert not s.pm_status["ok"] and "before the profiler was ready" in s.pm_status["error"]
 
 
 def test_hw_sampler_pm_off_asks_nothing():

@@ -353,6 +353,7 @@ class CaptureDriver:
             self.prof = self._make_profiler()
             with profguard.own():
                 self.prof.prepare_trace()
+            self._profiler_ready()
             self.prepared = True
             self.prof_thread = threading.get_ident()
         except Exception as exc:
@@ -382,6 +383,7 @@ class CaptureDriver:
                     self.prof = self._make_profiler()
                     self.prof.prepare_trace()
                 self.prof.start_trace()
+            self._profiler_ready()
             self.prof_thread = threading.get_ident()
             from torch.autograd.profiler import record_function
 
@@ -395,6 +397,11 @@ class CaptureDriver:
         except Exception as exc:
             self.prof = None
             self._fail(f"profiler start failed: {type(exc).__name__}: {exc}")
+
+    def _profiler_ready(self) -> None:
+        """Kineto has set CUPTI up (and its timestamp callback): PM sampling may configure now."""
+        if self.sampler is not None:
+            self.sampler.profiler_ready.set()
 
     def _gpu_uuids(self) -> list[str]:
         """NVML UUID of this thread's current CUDA device, if CUDA is in use."""

@@ -185,6 +185,10 @@ def _read_int(path: str) -> int | None:
 #: The training thread does not wait for a PM sampler still being set up (it would stall the
 #: job): a capture that ends first has no PM samples, and says so.
 PM_SETUP_WAIT_S = 0.0
+#: The PM sampler configures only once torch.profiler has set CUPTI up (prepare_trace), so that
+#: no CUPTI call of ours runs while Kineto initialises it and the samples are decoded in the
+#: profiler's timestamp domain from the first; bounded, for a profiler that never comes.
+PROFILER_READY_WAIT_S = 30.0
 
 
 class HwSampler:
@@ -213,6 +217,7 @@ class HwSampler:
         self._pm_lock = threading.Lock()
         self._pm_ready = threading.Event()
         self._pm_cancel = False
+        self.profiler_ready = threading.Event()  # set by the capture driver after prepare_trace
 
     def _setup_pm(self) -> None:
         """Start CUPTI PM sampling (in this thread: the first use builds the C side)."""
@@ -226,6 +231,9 @@ class HwSampler:
         try:
             from aiprof.agent.pmsampling import PmSampler
 
+            self.profiler_ready.wait(PROFILER_READY_WAIT_S)
+            if self._pm_cancel or self._stop.is_set():
+                raise RuntimeError("the capture ended before the profiler was ready")
             pm = PmSampler(self.cuda_index, self.pm_interval_us)
             with self._pm_lock:
                 if self._pm_cancel:  # the capture already ended
@@ -259,6 +267,7 @@ class HwSampler:
             with self._pm_lock:
                 self._pm_cancel = True
                 pm, self.pm = self.pm, None
+            self.profiler_ready.set()  # release a setup still waiting for the profiler
             if pm is None:
                 return
             t0 = time.perf_counter()
@@ -315,7 +324,8 @@ class HwSampler:
 
     def _run(self) -> None:
         try:
-            self._setup_pm()
+            # PM sampling sets up on a thread of its own: it waits for the profiler (bounded)
+            threading.Thread(target=self._setup_pm, name="aiprof-pm-setup", daemon=True).start()
             self._setup()
             next_t = time.perf_counter()
             while not self._stop.is_set() and len(self.samples) < MAX_SAMPLES:
