@@ -470,7 +470,3 @@ class PmSampler:
         return PmSamples(self.device, list(self.columns), [self.metrics[c] for c in self.columns],
                          t0, t1, vals, list(self.clock), batches, stats)
 
-
-def now_s() -> float:
-    """Monotonic seconds (for callers timing the sampler)."""
-    return time.perf_counter()
