@@ -66,12 +66,13 @@ def _counters_table(rank: dict) -> Table | None:
     if not c or not c.get("families"):
         return None
     iv, al = c.get("interval_us") or {}, c.get("alignment") or {}
-    lag = f"residual lag {al['lag_us']:+.0f} µs (r={al['correlation']:.2f})" if al.get("lag_us") is not None \
-        else f"alignment not checked: {al.get('why') or 'no SM-active counter'}"
+    lag = (f"residual lag {al['lag_us']:+.0f} µs (r={al['correlation']:.2f})"
+           + (" removed" if al.get("applied_shift_us") else " kept") if al.get("lag_us") is not None
+           else f"alignment not checked: {al.get('why') or 'no SM-active counter'}")
     t = Table(title=(f"Kernel families · GPU counters ({c['samples']} PM samples every {iv.get('median', 0):.0f} µs, "
                      f"p99 gap {iv.get('p99', 0):.0f} µs; {lag})"), title_justify="left", show_edge=False)
     for col in ("family", "kernels", "sampled ms", "cover", "SM act %", "issue %", "tensor %", "DRAM rd GB/s",
-                "DRAM wr GB/s", "DRAM % peak", "L2 %", "bound"):
+                "DRAM wr GB/s", "DRAM % peak", "L2 GB/s", "bound"):
         t.add_column(col, justify="left" if col in ("family", "bound") else "right")
     for f in c["families"][:15]:
         m = f["counters"]
@@ -79,7 +80,7 @@ def _counters_table(rank: dict) -> Table | None:
         t.add_row(_short(f["family"], 48), str(f["kernels"]), _ms(f["sampled_us"]), f"{f['coverage_pct']:.0f}%",
                   _pm(m, "pm_sm_active_pct"), _pm(m, "pm_sm_issue_pct"), _pm(m, "pm_tensor_active_pct"),
                   _pm(m, "pm_dram_read_Bps", 1e-9), _pm(m, "pm_dram_write_Bps", 1e-9),
-                  "" if d is None else f"{d:.0f}", _pm(m, "pm_l2_pct"), f["bound"])
+                  "" if d is None else f"{d:.0f}", _pm(m, "pm_l2_Bps", 1e-9), f["bound"])
     return t
 
 
