@@ -208,3 +208,26 @@ def test_pm_counters_are_served_under_the_gpu_with_level_of_detail(tmp_path):
     assert 0 < len(sm["ts"]) <= 100
     assert 0 <= min(sm["value"]) and max(sm["value"]) <= 100
     assert max(sm["value"]) > 90  # the GEMM and elementwise phases kept the SMs busy
+
+
+def test_kernels_table_carries_family_counters(tmp_path):
+    """Each kernel row gets the PM counters of its family (recorded on an H100, tests/data/pm)."""
+    import importlib.util
+    from pathlib import Path
+
+    from aiprof.server.data import CaptureData
+    from aiprof.trace.store import open_capture
+
+    spec = importlib.util.spec_from_file_location(
+        "pm_capture", Path(__file__).resolve().parents[1] / "analysis" / "test_counters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root, _ = mod.make_capture(tmp_path, mod._rec())
+    c = TestClient(create_app(CaptureData(open_capture(str(root)))))
+    ks = c.get("/api/kernels?rank=0").json()
+    assert ks["counters"] is True
+    by = {r["name"][:40]: r for r in ks["rows"]}
+    ew = next(r for n, r in by.items() if "elementwise" in n)
+    mm = next(r for n, r in by.items() if n.startswith("nvjet"))
+    assert ew["hw_bound"] == "memory" and mm["hw_bound"] == "compute"
+    assert mm["hw_tensor_active_pct"] > 85 and ew["hw_dram_gbps"] > 2500

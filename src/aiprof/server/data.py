@@ -11,11 +11,11 @@ from typing import Any, Callable
 import numpy as np
 
 from aiprof.agent.pmsampling import COLUMN_UNITS
-from aiprof.analysis.counters import load_pm
+from aiprof.analysis.counters import counter_analysis, load_pm
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.hotspots import hotspots
-from aiprof.analysis.kernels import kernel_stats, top_with_other
+from aiprof.analysis.kernels import kernel_family, kernel_stats, top_with_other
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
 from aiprof.analysis.ranks import MatchedCollectives, matched_collectives
 from aiprof.analysis.report import build_report
@@ -213,7 +213,21 @@ class CaptureData:
         rt = self.rank(r)
         stats = self._once(("kstats", rt.rank), lambda: kernel_stats(rt))
         limit = _clamp(limit, 1, MAX_ROWS, "limit")
-        return {"total": len(stats), "rows": [asdict(x) for x in stats[:limit]]}
+        rows = [asdict(x) for x in stats[:limit]]
+        # the GPU's PM counters during the kernel's family (analysis.counters), where the capture has them
+        ca = self._once(("counters", rt.rank), lambda: counter_analysis(rt))
+        if ca is not None:
+            fams = {f["family"]: f for f in ca.families}
+            for row in rows:
+                f = fams.get(kernel_family(row["name"]))
+                if f is None:
+                    continue
+                c = f["counters"]
+                dram = [c[k] for k in ("pm_dram_read_Bps", "pm_dram_write_Bps") if k in c]
+                row.update({"hw_sm_active_pct": c.get("pm_sm_active_pct"), "hw_tensor_active_pct": c.get("pm_tensor_active_pct"),
+                            "hw_dram_gbps": sum(dram) / 1e9 if dram else None, "hw_bound": f["bound"],
+                            "hw_coverage_pct": f["coverage_pct"]})
+        return {"total": len(stats), "rows": rows, "counters": ca is not None}
 
     def host_table(self, r: int, kind: str, limit: int = MAX_ROWS) -> dict:
         if kind not in ("python", "op", "annotation", "runtime"):
