@@ -105,6 +105,11 @@ elif MODE == "trace":
     with open(path, "rb") as f, gzip.open(f"{OUT}/{name}.json.gz", "wb", 6) as g:
         shutil.copyfileobj(f, g)
     print("trace bytes", sz, "gz", os.path.getsize(f"{OUT}/{name}.json.gz"))
+elif MODE == "steps":
+    # a fixed number of steps, then exit: the target of `aiprof run` captures
+    n = int(os.environ.get("STEPS", "40"))
+    ts = timed(n)
+    print("steps", n, "median ms", round(med(ts) * 1e3, 2), flush=True)
 elif MODE == "forever":
     # unmodified-looking loop, target for attach/injection tests
     i = 0

@@ -41,7 +41,8 @@ LEVELS = {  # name -> (aiprof --what, torch.profiler kwargs)
     "shapes": ("kernels,shapes", {"record_shapes": True}),
     "memory": ("kernels,memory", {"profile_memory": True}),
     "flops": ("kernels,flops", {"with_flops": True}),
-    "hw": ("kernels,hw", None),
+    "hw": ("kernels,hw", None),  # NVML/GPM + CUPTI PM sampling at 100 µs
+    "hw-nopm": ("kernels,hw", None),  # NVML/GPM only (--hw-pm-interval-us 0)
     "all": ("all", {"record_shapes": True, "with_stack": True, "profile_memory": True, "with_flops": True}),
 }
 
@@ -153,7 +154,8 @@ def main() -> None:
             # agent capture: one warm-up iteration, then `active` recorded
             def agent_capture() -> None:
                 req = CaptureRequest(out=out, capture_id=f"bench-r{r}-{lv}", what=what, skip=1,
-                                     iterations=args.active).normalised()
+                                     iterations=args.active,
+                                     hw_pm_interval_us=0 if lv == "hw-nopm" else 100).normalised()
                 assert agent.driver.submit(req) is None
                 ts = timed(step, args.active + 2, device)
                 t_wait = time.monotonic()

@@ -147,3 +147,36 @@ def test_cli_export_carries_the_causes(gpt2_cap, tmp_path):
     steps = find_steps(gpt2_cap.ranks[0])
     i = list(steps.number).index(3)
     assert (outlier[0][1], outlier[0][2]) == (int(steps.start[i]), int(steps.end[i]))
+
+
+def test_pm_counters_are_counter_tracks(tmp_path):
+    """The GPU's PM samples (recorded on an H100, tests/data/pm) become one counter track per
+    counter under the rank's process, with every sample's value at its window's start."""
+    import importlib.util
+    from pathlib import Path
+
+    from aiprof.analysis.counters import load_pm
+    from aiprof.trace.store import open_capture
+
+    spec = importlib.util.spec_from_file_location(
+        "pm_capture", Path(__file__).resolve().parents[1] / "analysis" / "test_counters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root, _ = mod.make_capture(tmp_path, mod._rec())
+    cap = open_capture(str(root))
+    out = tmp_path / "pm.pftrace"
+    perfetto.export(cap, str(out))
+    trace, tracks, procs, _ = _decode(out)
+    got: dict[str, list] = {}
+    for pk in trace.packet:
+        if pk.HasField("track_event") and pk.track_event.type == p2.TrackEvent.TYPE_COUNTER:
+            name, parent = tracks[pk.track_event.track_uuid]
+            if name.startswith("gpu0 pm_"):
+                assert parent in procs
+                got.setdefault(name, []).append((pk.timestamp, pk.track_event.double_counter_value))
+    pm = load_pm(cap.ranks[0])
+    assert set(got) == {f"gpu0 {m}" for m in pm.values}
+    sm = sorted(got["gpu0 pm_sm_active_pct"])
+    assert len(sm) == len(pm) + 1  # one point per sample and one closing the last window
+    assert [t for t, _ in sm[:-1]] == pm.t0.tolist()
+    assert np.allclose([v for _, v in sm[:-1]], pm.values["pm_sm_active_pct"])

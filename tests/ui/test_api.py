@@ -178,3 +178,56 @@ def test_collectives_across_ranks(ddp_app):
         last[x["last_rank"]] = last.get(x["last_rank"], 0) + 1
     assert {str(k): v for k, v in last.items()} == {k: v for k, v in arr["last_count"].items() if v}
     assert sum(x["caused_us"] for x in c["collectives"]) == pytest.approx(sum(arr["caused_wait_us"].values()), rel=1e-6)
+
+
+def test_pm_counters_are_served_under_the_gpu_with_level_of_detail(tmp_path):
+    """The GPU's PM samples (recorded on an H100, tests/data/pm): listed as GPU counters, and a
+    wide window comes back as at most one (mean) point per pixel."""
+    import importlib.util
+    from pathlib import Path
+
+    from aiprof.analysis.counters import load_pm
+    from aiprof.server.data import CaptureData
+    from aiprof.trace.store import open_capture
+
+    spec = importlib.util.spec_from_file_location(
+        "pm_capture", Path(__file__).resolve().parents[1] / "analysis" / "test_counters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root, _ = mod.make_capture(tmp_path, mod._rec())
+    cap = open_capture(str(root))
+    c = TestClient(create_app(CaptureData(cap)))
+    lanes = c.get("/api/timeline/lanes?rank=0").json()
+    pmc = [x for x in lanes["counters"] if x["id"].startswith("pm:")]
+    pm = load_pm(cap.ranks[0])
+    assert {x["id"] for x in pmc} == {f"pm:gpu0:{m}" for m in pm.values}
+    assert all(x["group"] == "gpu" for x in pmc)
+    assert next(x for x in pmc if x["id"] == "pm:gpu0:pm_dram_read_Bps")["unit"] == "B/s"
+    got = c.get(f"/api/timeline/counters?rank=0&t0={lanes['start']}&t1={lanes['end']}&px=100").json()["counters"]
+    sm = got["pm:gpu0:pm_sm_active_pct"]
+    assert 0 < len(sm["ts"]) <= 100
+    assert 0 <= min(sm["value"]) and max(sm["value"]) <= 100
+    assert max(sm["value"]) > 90  # the GEMM and elementwise phases kept the SMs busy
+
+
+def test_kernels_table_carries_family_counters(tmp_path):
+    """Each kernel row gets the PM counters of its family (recorded on an H100, tests/data/pm)."""
+    import importlib.util
+    from pathlib import Path
+
+    from aiprof.server.data import CaptureData
+    from aiprof.trace.store import open_capture
+
+    spec = importlib.util.spec_from_file_location(
+        "pm_capture", Path(__file__).resolve().parents[1] / "analysis" / "test_counters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root, _ = mod.make_capture(tmp_path, mod._rec())
+    c = TestClient(create_app(CaptureData(open_capture(str(root)))))
+    ks = c.get("/api/kernels?rank=0").json()
+    assert ks["counters"] is True
+    by = {r["name"][:40]: r for r in ks["rows"]}
+    ew = next(r for n, r in by.items() if "elementwise" in n)
+    mm = next(r for n, r in by.items() if n.startswith("nvjet"))
+    assert ew["hw_bound"] == "memory" and mm["hw_bound"] == "compute"
+    assert mm["hw_tensor_active_pct"] > 85 and ew["hw_dram_gbps"] > 2500

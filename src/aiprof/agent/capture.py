@@ -92,6 +92,7 @@ class CaptureDriver:
         self._reset()
         self.last_result: dict | None = None
         self.captures_done = 0
+        self._pm_prewarm_started = False  # once per process: the PM sampler's library and metrics
         self.holding_since: float | None = None  # perf_counter while prepare/start/stop runs on the job's thread
         self.held_until: float | None = None  # when the last of those ended
 
@@ -109,6 +110,7 @@ class CaptureDriver:
         self.armed_at = 0.0
         self.armed_count = 0
         self.sampler: Any = None
+        self.pm_meta: dict[str, Any] | None = None
         self.info: dict[str, Any] = {}
         self.pending_main: str | None = None  # "start"/"stop" scheduled on the main thread
         self.pending_since = 0.0
@@ -148,6 +150,8 @@ class CaptureDriver:
         req = self.req
         if req is None or st in (IDLE, EXPORTING):
             return
+        if st == ARMED and not self._pm_prewarm_started:
+            self._prewarm_pm(req)
         now = time.perf_counter()
         if self.pending_main and now - self.pending_since > START_TIMEOUT_S:
             what = self.pending_main
@@ -165,6 +169,30 @@ class CaptureDriver:
         elif st == RECORDING and self.mode == "time" and self.pending_main is None:
             if (now - self.t_start) * 1e3 >= req.fallback_duration_ms:
                 self._schedule_main("stop")
+
+    def _prewarm_pm(self, req: CaptureRequest) -> None:
+        """While armed: load the PM sampler and find its metrics on a thread of its own (seconds
+        the first time), so that the capture's sampler only configures and starts."""
+        if "hw" not in req.what or not req.hw_pm_interval_us:
+            return
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None or not torch.cuda.is_initialized():
+                return  # never initialise CUDA in the job; ask again at the next poll
+            dev = torch.cuda.current_device()
+        except Exception:
+            return
+        self._pm_prewarm_started = True
+
+        def run() -> None:
+            try:
+                from aiprof.agent.pmsampling import prewarm
+
+                prewarm(dev)
+            except Exception as exc:  # the sampler's own setup reports it again, with the fallback
+                log.info(f"PM sampler prewarm: {type(exc).__name__}: {exc}")
+
+        threading.Thread(target=run, name="aiprof-pm-prewarm", daemon=True).start()
 
     def _schedule_main(self, what: str) -> None:
         from aiprof.agent.mainthread import call_soon_in_main_thread
@@ -223,6 +251,7 @@ class CaptureDriver:
 
     def _fail(self, why: str) -> None:
         if self.sampler is not None:
+            self.sampler.stop_pm()
             self.sampler._stop.set()
             self.sampler = None
         with self._lock:
@@ -307,7 +336,8 @@ class CaptureDriver:
         try:
             from aiprof.agent.hwmon import HwSampler
 
-            self.sampler = HwSampler(req.hw_interval_ms, gpus)
+            dev = (self.info.get("device") or {}).get("index")
+            self.sampler = HwSampler(req.hw_interval_ms, gpus, req.hw_pm_interval_us, dev)
             self.sampler.start()
         except Exception as exc:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
@@ -323,6 +353,7 @@ class CaptureDriver:
             self.prof = self._make_profiler()
             with profguard.own():
                 self.prof.prepare_trace()
+            self._profiler_ready()
             self.prepared = True
             self.prof_thread = threading.get_ident()
         except Exception as exc:
@@ -352,6 +383,7 @@ class CaptureDriver:
                     self.prof = self._make_profiler()
                     self.prof.prepare_trace()
                 self.prof.start_trace()
+            self._profiler_ready()
             self.prof_thread = threading.get_ident()
             from torch.autograd.profiler import record_function
 
@@ -365,6 +397,11 @@ class CaptureDriver:
         except Exception as exc:
             self.prof = None
             self._fail(f"profiler start failed: {type(exc).__name__}: {exc}")
+
+    def _profiler_ready(self) -> None:
+        """Kineto has set CUPTI up (and its timestamp callback): PM sampling may configure now."""
+        if self.sampler is not None:
+            self.sampler.profiler_ready.set()
 
     def _gpu_uuids(self) -> list[str]:
         """NVML UUID of this thread's current CUDA device, if CUDA is in use."""
@@ -393,6 +430,10 @@ class CaptureDriver:
             if rf is not None:
                 rf.__exit__(None, None, None)
             if self.sampler is not None:
+                # PM sampling stops here, before stop_trace, which may finalise CUPTI under it
+                # (only where it can have started: a CPU job's Python trace keeps no agent frame)
+                if self.sampler.pm_interval_us and self.sampler.cuda_index is not None:
+                    self.sampler.stop_pm()
                 self.sampler._stop.set()  # joined by the exporter, not here
             t0 = time.perf_counter()
             with profguard.own():
@@ -446,6 +487,15 @@ class CaptureDriver:
 
                 hw_rows = write_csv(os.path.join(d, "hw.csv"), samples, off)
                 hw_notes, hw_sources = self.sampler.notes, self.sampler.sources
+                self.pm_meta = dict(self.sampler.pm_status)
+                pm = self.sampler.pm_samples
+                if pm is not None and len(pm.t0):
+                    from aiprof.agent.hwmon import PM_FILE, write_pm_csv
+
+                    label = f"gpu{(self.info.get('device') or {}).get('index', 0)}"
+                    self.pm_meta.update(write_pm_csv(os.path.join(d, PM_FILE), pm, off, label))
+                elif self.pm_meta.get("ok"):
+                    self.pm_meta["rows"] = 0
                 self.sampler = None
             meta = self._meta(trace_bytes, hw_rows, hw_sources, hw_notes)
             tmp = os.path.join(d, "meta.json.tmp")
@@ -458,7 +508,7 @@ class CaptureDriver:
             self.prof = None
             why = str(exc) if type(exc).__name__ == "ExportError" else f"{type(exc).__name__}: {exc}"
             result["error"] = f"export failed: {why}"
-            for leftover in ("trace.json.tmp", "trace.json.gz", "hw.csv", "meta.json.tmp"):
+            for leftover in ("trace.json.tmp", "trace.json.gz", "hw.csv", "pm.csv.gz", "meta.json.tmp"):
                 try:
                     if result["dir"] and not result.get("ok"):
                         os.unlink(os.path.join(result["dir"], leftover))
@@ -553,9 +603,11 @@ class CaptureDriver:
             },
             "clock": self.clock,
             "versions": self._versions(),
-            "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None},
+            "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None,
+                      "pm": (getattr(self, "pm_meta", None) or {}).get("file")},
             "trace_json_bytes": trace_bytes,
-            "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms},
+            "hw": {"rows": hw_rows, "sources": hw_sources, "notes": hw_notes, "interval_ms": req.hw_interval_ms,
+                   "pm": getattr(self, "pm_meta", None)},
             # what the end of the capture cost: stop_ms on the training thread, the rest off it
             "export": {"stop_ms": self.info.get("stop_ms"), **(self.info.get("export") or {})},
             "errors": self.errors,

@@ -22,6 +22,10 @@ MIN_DURATION_MS = 10
 MAX_DURATION_MS = 60_000
 DEFAULT_DURATION_MS = 2000
 DEFAULT_MAX_TRACE_MB = 512
+#: CUPTI PM sampling period (µs) under --what hw; 0 turns it off. Bounds: agent/pmsampling.py.
+DEFAULT_HW_PM_INTERVAL_US = 100
+MIN_HW_PM_INTERVAL_US = 20
+MAX_HW_PM_INTERVAL_US = 100_000
 
 
 class RequestError(ValueError):
@@ -76,6 +80,7 @@ class CaptureRequest:
     wait_ms: int | None = None
     warmup: bool = True
     hw_interval_ms: int = 100
+    hw_pm_interval_us: int = DEFAULT_HW_PM_INTERVAL_US
     max_trace_mb: int = DEFAULT_MAX_TRACE_MB
     entry: str | None = None
     trigger: dict[str, Any] | None = None  # why the agent captured by itself (auto-trigger), else None
@@ -98,6 +103,10 @@ class CaptureRequest:
         if self.wait_ms is not None and self.wait_ms < 0:
             raise RequestError("--wait-ms must be >= 0")
         self.hw_interval_ms = max(10, min(int(self.hw_interval_ms), 10_000))
+        pm_us = int(self.hw_pm_interval_us)
+        if pm_us != 0 and not MIN_HW_PM_INTERVAL_US <= pm_us <= MAX_HW_PM_INTERVAL_US:
+            raise RequestError(f"--hw-pm-interval-us must be 0 (off) or {MIN_HW_PM_INTERVAL_US}..{MAX_HW_PM_INTERVAL_US}")
+        self.hw_pm_interval_us = pm_us
         self.max_trace_mb = max(1, int(self.max_trace_mb))
         if self.entry is not None and ":" not in self.entry:
             raise RequestError(f"--entry {self.entry!r} must look like module:qualname")

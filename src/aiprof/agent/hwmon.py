@@ -11,6 +11,10 @@ Sources, each skipped quietly when missing (no GPU in CI, no psutil, no /sys/cla
   window of at least 100 ms (shorter windows read as zeros on H200).
 - psutil: system CPU %, this process's CPU %, system memory used, process RSS.
 - /sys/class/infiniband/*/ports/*/counters: port_{xmit,rcv}_data as bytes/s.
+- CUPTI PM sampling (agent/pmsampling.py), when asked for (``pm_interval_us``): the GPU's own
+  performance monitors every ~100 µs, decoded by a C thread into a bounded buffer. Where it
+  cannot run (no GPU, no permission, old driver, MIG...) ``pm_status`` says why and the GPU
+  counters above (NVML/GPM) are what the capture has.
 """
 from __future__ import annotations
 
@@ -178,10 +182,20 @@ def _read_int(path: str) -> int | None:
         return None
 
 
+#: The training thread does not wait for a PM sampler still being set up (it would stall the
+#: job): a capture that ends first has no PM samples, and says so.
+PM_SETUP_WAIT_S = 0.0
+#: The PM sampler configures only once torch.profiler has set CUPTI up (prepare_trace), so that
+#: no CUPTI call of ours runs while Kineto initialises it and the samples are decoded in the
+#: profiler's timestamp domain from the first; bounded, for a profiler that never comes.
+PROFILER_READY_WAIT_S = 30.0
+
+
 class HwSampler:
     """Samples until :meth:`stop`; samples are kept in memory (bounded) and returned by stop."""
 
-    def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None) -> None:
+    def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None,
+                 pm_interval_us: int = 0, cuda_index: int | None = None) -> None:
         self.interval = max(0.01, interval_ms / 1000.0)
         self.gpu_uuids = gpu_uuids or []
         self.samples: list[Sample] = []
@@ -195,6 +209,74 @@ class HwSampler:
         self._psutil: Any = None
         self._ib: list[tuple[str, str]] = []
         self._ib_prev: dict[str, tuple[float, int, int]] = {}
+        self.pm_interval_us = pm_interval_us
+        self.cuda_index = cuda_index
+        self.pm: Any = None  # the running PmSampler
+        self.pm_samples: Any = None  # PmSamples once stopped
+        self.pm_status: dict[str, Any] = {"asked": bool(pm_interval_us), "ok": False}
+        self._pm_lock = threading.Lock()
+        self._pm_ready = threading.Event()
+        self._pm_cancel = False
+        self.profiler_ready = threading.Event()  # set by the capture driver after prepare_trace
+
+    def _setup_pm(self) -> None:
+        """Start CUPTI PM sampling (in this thread: the first use builds the C side)."""
+        if not self.pm_interval_us:
+            return
+        t0 = time.perf_counter()
+        if self.cuda_index is None:  # a CPU job: the note "no CUDA device in use" already says it
+            self.pm_status["error"] = "no CUDA device in use"
+            self._pm_ready.set()
+            return
+        try:
+            from aiprof.agent.pmsampling import PmSampler
+
+            self.profiler_ready.wait(PROFILER_READY_WAIT_S)
+            if self._pm_cancel or self._stop.is_set():
+                raise RuntimeError("the capture ended before the profiler was ready")
+            pm = PmSampler(self.cuda_index, self.pm_interval_us)
+            with self._pm_lock:
+                if self._pm_cancel:  # the capture already ended
+                    msg = (f"the capture ended before PM sampling was set up "
+                           f"({(time.perf_counter() - t0) * 1e3:.0f} ms); a later capture of this process starts faster")
+                    self.pm_status["error"] = msg
+                    self.notes.append(f"CUPTI PM sampling: {msg}; GPU counters come from NVML/GPM only")
+                    return
+                pm.start()
+                self.pm = pm
+            self.pm_status.update({"ok": True, "columns": pm.columns, "metrics": pm.metrics, "chip": pm.chip,
+                                   "setup_ms": round((time.perf_counter() - t0) * 1e3, 1),
+                                   "setup_parts_ms": pm.timing_ms,
+                                   "started_unix_ns": time.time_ns()})
+            self.sources.append("cupti-pm")
+        except Exception as exc:
+            msg = str(exc) if type(exc).__name__ == "PmUnavailable" else f"{type(exc).__name__}: {exc}"
+            self.pm_status["error"] = msg
+            self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
+                              f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
+        finally:
+            self._pm_ready.set()
+
+    def stop_pm(self, timeout: float = PM_SETUP_WAIT_S) -> None:
+        """Stop PM sampling now (bounded): before torch.profiler's stop_trace, which may finalise
+        CUPTI under it. Never raises."""
+        try:
+            if not self.pm_interval_us:
+                return
+            self._pm_ready.wait(timeout)
+            with self._pm_lock:
+                self._pm_cancel = True
+                pm, self.pm = self.pm, None
+            self.profiler_ready.set()  # release a setup still waiting for the profiler
+            if pm is None:
+                return
+            t0 = time.perf_counter()
+            self.pm_samples = pm.stop()
+            self.pm_status["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        except Exception as exc:
+            self.pm_status["ok"] = False
+            self.pm_status["error"] = f"stop: {type(exc).__name__}: {exc}"
+            self.notes.append(f"CUPTI PM sampling failed at stop ({exc}); its samples are lost")
 
     def _setup(self) -> None:
         try:
@@ -234,6 +316,7 @@ class HwSampler:
 
     def stop(self, timeout: float = 2.0) -> list[Sample]:
         """Stop sampling, wait (bounded) for the thread, and return the samples."""
+        self.stop_pm()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -241,6 +324,8 @@ class HwSampler:
 
     def _run(self) -> None:
         try:
+            # PM sampling sets up on a thread of its own: it waits for the profiler (bounded)
+            threading.Thread(target=self._setup_pm, name="aiprof-pm-setup", daemon=True).start()
             self._setup()
             next_t = time.perf_counter()
             while not self._stop.is_set() and len(self.samples) < MAX_SAMPLES:
@@ -302,3 +387,49 @@ def write_csv(path: str, samples: list[Sample], offset_us: float) -> int:
         for t_ns, dev, metric, value in samples:
             f.write(f"{t_ns / 1000.0 + offset_us:.3f},{dev},{metric},{value:.6g}\n")
     return len(samples)
+
+
+PM_FILE = "pm.csv.gz"
+
+
+def write_pm_csv(path: str, pm: Any, trace_minus_unix_us: float, label: str) -> dict[str, Any]:
+    """Write PM samples as ``t0_us,t1_us,device,<column>...`` (gzipped, trace clock; one row per
+    sample; counts turned into per-second rates) and return what meta.json keeps of them: rows,
+    achieved gaps, the clock mapping (trace.pmclock.map_batches)."""
+    import gzip
+
+    import numpy as np
+
+    from aiprof.agent.pmsampling import SCALE, is_count
+    from aiprof.trace.pmclock import map_batches
+
+    try:
+        u0, u1, keep, mp = map_batches(pm.t0, pm.t1, pm.batches, pm.clock)
+        mapping: dict[str, Any] = {"slope": mp.slope, "pairs": mp.pairs, "kept": mp.kept,
+                                   "dropped_other_domain": mp.dropped, "invalid_times": mp.invalid, "max_decode_lag_ms": round(mp.max_lag_ms, 3)}
+    except ValueError as exc:
+        u0 = u1 = np.zeros(0)
+        keep = np.zeros(len(pm.t0), dtype=bool)
+        mapping = {"error": str(exc), "kept": 0, "dropped_other_domain": int(len(pm.t0))}
+    a = u0[keep] / 1000.0 + trace_minus_unix_us
+    b = u1[keep] / 1000.0 + trace_minus_unix_us
+    vals = pm.values[keep].astype(np.float64)
+    win_s = np.maximum((b - a) * 1e-6, 1e-9)
+    for j, m in enumerate(pm.metrics):
+        if is_count(m):
+            vals[:, j] = vals[:, j] * SCALE.get(m, 1.0) / win_s
+    with gzip.open(path, "wt", compresslevel=3) as f:
+        f.write("t0_us,t1_us,device," + ",".join(pm.columns) + "\n")
+        for i in range(len(a)):
+            f.write(f"{a[i]:.3f},{b[i]:.3f},{label}," + ",".join(f"{v:.6g}" for v in vals[i].tolist()) + "\n")
+    gaps = np.diff(a) if len(a) > 1 else np.zeros(0)
+    return {
+        "file": os.path.basename(path), "rows": int(len(a)), "device": label,
+        "columns": pm.columns, "metrics": pm.metrics,
+        "gap_us": {"median": round(float(np.median(gaps)), 3), "p99": round(float(np.percentile(gaps, 99)), 3),
+                   "max": round(float(gaps.max()), 3)} if len(gaps) else None,
+        "clock": {"pairs": pm.clock, "mapping": mapping, "trace_minus_unix_us": trace_minus_unix_us,
+                  "method": "CUPTI time -> unix by a line through the clock pairs of the final timestamp domain "
+                            "(one pair after each decode), then the capture's marker offset"},
+        "stats": pm.stats,
+    }

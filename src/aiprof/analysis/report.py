@@ -15,6 +15,7 @@ from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
 from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
+from aiprof.analysis.counters import counter_analysis
 from aiprof.analysis.kernels import (
     KernelStat,
     kernel_analysis,
@@ -64,6 +65,7 @@ class RankReport:
     memops: list = field(default_factory=list)  # per memcpy/memset name: count, bytes, time
     step_within: str = ""  # the marker steps the iterations were split from (ProfilerStep), if any
     serving: dict | None = None  # analysis.serving.ServingAnalysis: inference traces of a language model
+    counters: dict | None = None  # analysis.counters.CounterAnalysis: GPU PM counters per family/collective
 
 
 def _device(rt: RankTrace) -> dict:
@@ -127,6 +129,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int, colls: RankCollect
     sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
     stats = kernel_stats(rt)
     sv = serving_analysis(rt, steps, breakdown)
+    hwc = counter_analysis(rt, [f["family"] for f in ka.families])
     rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
         step_source=steps.source,
@@ -139,10 +142,12 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int, colls: RankCollect
         kernels_by_calls=_by_calls(top_with_other(stats, top, "calls")),
         activity=gpu_activity(rt), memops=memop_distribution(rt),
         step_within=steps.within, serving=asdict(sv) if sv else None,
+        counters=asdict(hwc) if hwc else None,
     )
     facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes,
                                    colls=colls, offset_ns=offset_ns)
     facts.extra["serving"] = sv  # the serving causes read the iterations' phases and batches
+    facts.counters = hwc
     return rep, facts
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from aiprof.agent.config import WHAT_LEVELS, CaptureRequest, RequestError, new_capture_id
+from aiprof.agent.config import (DEFAULT_HW_PM_INTERVAL_US, WHAT_LEVELS, CaptureRequest, RequestError,
+                                 new_capture_id)
 from aiprof.errors import UsageError
 
 
@@ -26,6 +27,9 @@ def add_capture_options(p: argparse.ArgumentParser, wait_default: int | None) ->
                    help="if no iteration is seen for MS, record --duration-ms (default 2000) on the main thread"
                         + ("" if wait_default is None else f" (default {wait_default})"))
     g.add_argument("--hw-interval-ms", type=int, default=100, metavar="MS", help="hardware sample period (default 100)")
+    g.add_argument("--hw-pm-interval-us", type=int, default=DEFAULT_HW_PM_INTERVAL_US, metavar="US",
+                   help="GPU performance-monitor (CUPTI PM sampling) period under --what hw, "
+                        f"0 = off (default {DEFAULT_HW_PM_INTERVAL_US})")
     g.add_argument("--max-trace-mb", type=int, default=512, metavar="MB", help="largest trace.json.gz kept")
     g.add_argument("--no-warmup", action="store_true", help="do not prepare the profiler one iteration early")
 
@@ -42,6 +46,7 @@ def request_from_args(args: argparse.Namespace) -> CaptureRequest:
             out=os.path.abspath(args.out), capture_id=args.capture_id or new_capture_id(),
             what=args.what, skip=args.skip or 0, iterations=args.iterations, duration_ms=args.duration_ms,
             wait_ms=args.wait_ms, warmup=not args.no_warmup, hw_interval_ms=args.hw_interval_ms,
+            hw_pm_interval_us=args.hw_pm_interval_us,
             max_trace_mb=args.max_trace_mb, entry=args.entry,
         ).normalised()
     except RequestError as exc:

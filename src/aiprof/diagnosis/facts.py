@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class RankFacts:
     unprofiled_step_ns: float | None  # measured before the capture by the agent, if known
     host_scale: tuple  # (alpha, beta) fitted so the replay matches the unprofiled step ((1, 1): none)
     extra: dict = field(default_factory=dict)  # cross-rank context, filled by the engine
+    counters: Any = None  # analysis.counters.CounterAnalysis: the GPU's PM counters, None without them
 
     @property
     def rank(self) -> int:

@@ -4,7 +4,7 @@ Layout: one process track per rank ("rank 0 · host"), under it one track per ho
 (Python frames, torch ops, annotations, CUDA calls, nested), one per GPU stream (kernels,
 memcpy/memset), GPU-side annotations, "steps" slices, a "findings" track of causes, and counter tracks
 (CUDA caching-allocator totals from ``[memory]`` events; hardware counters when the store has
-a ``hw`` table). Each CUDA launch has a flow arrow to the GPU work it launched.
+a ``hw`` table; the GPU's PM counters, one track per counter, from a ``pm`` table). Each CUDA launch has a flow arrow to the GPU work it launched.
 
 Descriptors and interned names are written with the ``perfetto`` package's generated protobuf
 classes; the (many) slice and counter packets are laid out with numpy

@@ -243,6 +243,24 @@ class _Builder:
             ok = np.isfinite(v.astype(np.float64))
             self.counters.append(CounterTrack(self.uuid(), rt.rank, col, "", ts[ok], v[ok].astype(np.float64)))
 
+    def pm_counters(self, rt: RankTrace) -> None:
+        """GPU performance-monitor counters (the ``pm`` table): one track per device and counter,
+        each sample's value held from its window's start; a last point closes the final window."""
+        t = rt.table("pm")
+        if not len(t):
+            return
+        dev, met = t.strings("device"), t.strings("metric")
+        key = dev.codes.astype(np.int64) * (len(met.labels) + 1) + met.codes
+        for k in np.unique(key):
+            sel = key == k
+            order = np.argsort(t["t0"][sel], kind="stable")
+            ts = t["t0"][sel][order].astype(np.int64)
+            v = t["value"][sel][order].astype(np.float64)
+            ts = np.append(ts, int(t["t1"][sel][order][-1]))
+            v = np.append(v, v[-1])
+            label = f"{dev.labels[int(k // (len(met.labels) + 1))]} {met.labels[int(k % (len(met.labels) + 1))]}"
+            self.counters.append(CounterTrack(self.uuid(), rt.rank, label, "", ts, v))
+
     def result(self) -> Timeline:
         p = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in self.parts.items()}
         return Timeline(self.tracks, self.counters, list(self.names), p["start"], p["end"], p["track"], p["name"],
@@ -287,6 +305,7 @@ def build_timeline(capture: Capture, marks: Optional[list[Mark]] = None, host: b
         b.gpu(rt, flows)
         b.memory_counters(rt)
         b.hw_counters(rt)
+        b.pm_counters(rt)
     tl = b.result()
     tl.meta = {"ranks": [{"rank": rt.rank, "host": rt.meta.get("host_name", ""), "source": rt.source,
                           "pids": sorted({int(p) for p in (rt.ops["pid"] if len(rt.ops) else [])})}

@@ -55,6 +55,35 @@ def _kernels_table(rank: dict) -> Table:
     return t
 
 
+def _pm(m: dict, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    v = m.get(key)
+    return "" if v is None else fmt.format(v * scale)
+
+
+def _counters_table(rank: dict) -> Table | None:
+    """Kernel families with the GPU's PM counters during them (analysis.counters)."""
+    c = rank.get("counters")
+    if not c or not c.get("families"):
+        return None
+    iv, al = c.get("interval_us") or {}, c.get("alignment") or {}
+    lag = (f"residual lag {al['lag_us']:+.0f} µs (r={al['correlation']:.2f})"
+           + (" removed" if al.get("applied_shift_us") else " kept") if al.get("lag_us") is not None
+           else f"alignment not checked: {al.get('why') or 'no SM-active counter'}")
+    t = Table(title=(f"Kernel families · GPU counters ({c['samples']} PM samples every {iv.get('median', 0):.0f} µs, "
+                     f"p99 gap {iv.get('p99', 0):.0f} µs; {lag})"), title_justify="left", show_edge=False)
+    for col in ("family", "kernels", "sampled ms", "cover", "SM act %", "issue %", "tensor %", "DRAM rd GB/s",
+                "DRAM wr GB/s", "DRAM % peak", "L2 GB/s", "bound"):
+        t.add_column(col, justify="left" if col in ("family", "bound") else "right")
+    for f in c["families"][:15]:
+        m = f["counters"]
+        d = f.get("dram_pct_of_peak")
+        t.add_row(_short(f["family"], 48), str(f["kernels"]), _ms(f["sampled_us"]), f"{f['coverage_pct']:.0f}%",
+                  _pm(m, "pm_sm_active_pct"), _pm(m, "pm_sm_issue_pct"), _pm(m, "pm_tensor_active_pct"),
+                  _pm(m, "pm_dram_read_Bps", 1e-9), _pm(m, "pm_dram_write_Bps", 1e-9),
+                  "" if d is None else f"{d:.0f}", _pm(m, "pm_l2_Bps", 1e-9), f["bound"])
+    return t
+
+
 def _ranks_table(report: dict) -> Table:
     t = Table(title="Ranks (sums over steps), times in ms", title_justify="left", show_edge=False)
     gpu = any(_has_gpu(r) for r in report["ranks"])
@@ -147,6 +176,9 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         render_serving(console, r)
         if r["top_kernels"]:
             console.print(_kernels_table(r))
+        ct = _counters_table(r)
+        if ct is not None:
+            console.print(ct)
         render_diagnosis(console, r)
         console.print()
     if len(ranks) > _MAX_RANK_DETAIL:

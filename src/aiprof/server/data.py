@@ -10,10 +10,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from aiprof.agent.pmsampling import COLUMN_UNITS
+from aiprof.analysis.counters import counter_analysis, load_pm
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.hotspots import hotspots
-from aiprof.analysis.kernels import kernel_stats, top_with_other
+from aiprof.analysis.kernels import kernel_family, kernel_stats, top_with_other
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
 from aiprof.analysis.ranks import MatchedCollectives, matched_collectives
 from aiprof.analysis.report import build_report
@@ -211,7 +213,21 @@ class CaptureData:
         rt = self.rank(r)
         stats = self._once(("kstats", rt.rank), lambda: kernel_stats(rt))
         limit = _clamp(limit, 1, MAX_ROWS, "limit")
-        return {"total": len(stats), "rows": [asdict(x) for x in stats[:limit]]}
+        rows = [asdict(x) for x in stats[:limit]]
+        # the GPU's PM counters during the kernel's family (analysis.counters), where the capture has them
+        ca = self._once(("counters", rt.rank), lambda: counter_analysis(rt))
+        if ca is not None:
+            fams = {f["family"]: f for f in ca.families}
+            for row in rows:
+                f = fams.get(kernel_family(row["name"]))
+                if f is None:
+                    continue
+                c = f["counters"]
+                dram = [c[k] for k in ("pm_dram_read_Bps", "pm_dram_write_Bps") if k in c]
+                row.update({"hw_sm_active_pct": c.get("pm_sm_active_pct"), "hw_tensor_active_pct": c.get("pm_tensor_active_pct"),
+                            "hw_dram_gbps": sum(dram) / 1e9 if dram else None, "hw_bound": f["bound"],
+                            "hw_coverage_pct": f["coverage_pct"]})
+        return {"total": len(stats), "rows": rows, "counters": ca is not None}
 
     def host_table(self, r: int, kind: str, limit: int = MAX_ROWS) -> dict:
         if kind not in ("python", "op", "annotation", "runtime"):
@@ -266,6 +282,11 @@ class CaptureData:
         if hw is not None:
             counters += [{"id": f"hw:{d}:{m}", "name": f"{d} {m}", "device": d,
                           "unit": "bytes" if m.endswith("_bytes") else ""} for d, m in sorted(hw.series)]
+        pm = load_pm(rt)
+        if pm is not None:  # the GPU's PM counters: drawn under the GPU tracks (web/src/pages/timeline.js)
+            counters += [{"id": f"pm:{pm.device}:{m}", "name": f"{pm.device} {m.removeprefix('pm_')}",
+                          "device": pm.device, "group": "gpu", "unit": COLUMN_UNITS.get(m, "")}
+                         for m in sorted(pm.values)]
         return {"rank": rt.rank, "origin_ns": self.origin(), "offset_ns": self.offset_ns(rt.rank),
                 "start": tl.start_ns + sh, "end": tl.end_ns + sh, "host": rt.meta.get("host_name", "") or "",
                 "events": tl.events, "lanes": timeline.lanes_info(tl), "counters": counters,
@@ -297,6 +318,12 @@ class CaptureData:
                 d = timeseries.downsample(ts, v, a, b, px, how="mean")
                 out[f"hw:{dev}:{m}"] = {"ts": [t + sh for t in d["ts"]], "value": d["value"], "before": d["before"],
                                         "after": d["after"]}
+        pm = load_pm(rt)
+        if pm is not None:  # level of detail as for kernels: the mean of the samples in each pixel
+            for m, v in pm.values.items():
+                d = timeseries.downsample(pm.t0, v, a, b, px, how="mean")
+                out[f"pm:{pm.device}:{m}"] = {"ts": [t + sh for t in d["ts"]], "value": d["value"],
+                                              "before": d["before"], "after": d["after"]}
         return {"counters": out}
 
     def _ui_ref(self, ref: dict | None, sh: int) -> dict | None:

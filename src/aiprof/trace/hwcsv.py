@@ -16,6 +16,7 @@ import numpy as np
 from aiprof.trace.table import Table, encode_strings
 
 HW_FILE = "hw.csv"
+PM_FILE = "pm.csv.gz"
 _TS_MAX_US = 2.0**62 / 1000.0  # times are int64 ns (as in trace.builder)
 
 
@@ -54,5 +55,56 @@ def hw_table(ts: list[float], dev: list[str], met: list[str], val: list[float]) 
         "device": encode_strings(dev),
         "metric": encode_strings(met),
         "name": encode_strings([f"{d} {m}".strip() for d, m in zip(dev, met)]),
+        "value": np.asarray(val, dtype=np.float64)[order],
+    })
+
+
+def pm_path_for(trace_path: str) -> str | None:
+    """The ``pm.csv.gz`` (CUPTI PM samples) beside a trace file, if any."""
+    p = os.path.join(os.path.dirname(os.path.abspath(trace_path)), PM_FILE)
+    return p if os.path.isfile(p) else None
+
+
+def read_pm_csv(path: str) -> Table:
+    """Read the agent's PM samples (wide: ``t0_us,t1_us,device,<column>...``, gzipped, trace
+    clock) into the long ``pm`` table: one row per sample and column, with the sample's window.
+    Malformed rows (a torn last line) are skipped."""
+    import gzip
+
+    t0, t1, dev, met, val = [], [], [], [], []
+    with gzip.open(path, "rt", newline="") as f:
+        rd = csv.reader(f)
+        head = next(rd, None)
+        if not head or head[:3] != ["t0_us", "t1_us", "device"]:
+            raise csv.Error("not a PM sample file (header t0_us,t1_us,device,...)")
+        cols = head[3:]
+        for rec in rd:
+            if len(rec) != len(head):
+                continue
+            try:
+                a, b = float(rec[0]), float(rec[1])
+                vs = [float(x) for x in rec[3:]]
+            except ValueError:
+                continue
+            if not (math.isfinite(a) and math.isfinite(b)) or abs(a) > _TS_MAX_US or abs(b) > _TS_MAX_US or b < a:
+                continue
+            for c, v in zip(cols, vs):
+                t0.append(a)
+                t1.append(b)
+                dev.append(rec[2])
+                met.append(c)
+                val.append(v)
+    return pm_table(t0, t1, dev, met, val)
+
+
+def pm_table(t0: list[float], t1: list[float], dev: list[str], met: list[str], val: list[float]) -> Table:
+    """The ``pm`` table (t0/t1 ns on the trace clock, device, metric, value), sorted by t0."""
+    a = np.asarray(t0, dtype=np.float64)
+    order = np.argsort(a, kind="stable")
+    return Table({
+        "t0": np.rint(a * 1000.0).astype(np.int64)[order],
+        "t1": np.rint(np.asarray(t1, dtype=np.float64) * 1000.0).astype(np.int64)[order],
+        "device": encode_strings([dev[i] for i in order]),
+        "metric": encode_strings([met[i] for i in order]),
         "value": np.asarray(val, dtype=np.float64)[order],
     })

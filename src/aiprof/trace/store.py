@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from aiprof import npx
 from aiprof.errors import TraceError
 from aiprof.trace.builder import empty_table
-from aiprof.trace.hwcsv import hw_path_for, read_hw_csv
+from aiprof.trace.hwcsv import hw_path_for, pm_path_for, read_hw_csv, read_pm_csv
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
 
@@ -141,6 +141,10 @@ def _fingerprint(path: str) -> dict:
     if hw:  # samples that appear or change beside the trace invalidate the store too
         hst = os.stat(hw)
         fp["hw"] = {"size": hst.st_size, "mtime_ns": hst.st_mtime_ns}
+    pm = pm_path_for(path)
+    if pm:
+        pst = os.stat(pm)
+        fp["pm"] = {"size": pst.st_size, "mtime_ns": pst.st_mtime_ns}
     cm = _capture_meta_path(path)
     if cm:  # so does the agent's meta.json (it holds the unprofiled step times)
         cst = os.stat(cm)
@@ -287,6 +291,12 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
             parsed.tables["hw"] = read_hw_csv(hw)
         except (OSError, UnicodeDecodeError, csv.Error) as exc:
             print(f"aiprof: warning: {hw}: hardware samples skipped ({exc})", file=sys.stderr)
+    pm = pm_path_for(path)
+    if pm:
+        try:
+            parsed.tables["pm"] = read_pm_csv(pm)
+        except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:  # gzip.BadGzipFile is an OSError
+            print(f"aiprof: warning: {pm}: PM samples skipped ({exc})", file=sys.stderr)
     meta = _trace_meta(path, parsed.meta, parsed.tables, index)
     meta["capture"] = read_capture_meta(path)
     meta["source"] = fp

@@ -33,7 +33,13 @@ export default async function tables(root, { rank }) {
   const tK = new Tabulator(mk('t-kernels', 'Kernels', ks.total, ks.rows.length), { ...common, data: ks.rows, initialSort: [{ column: 'total_us', dir: 'desc' }],
     columns: [kernelCol, { title: 'class', field: 'cls', headerFilter: 'input', width: 110 }, { title: 'calls', field: 'calls', ...num(String), width: 80 },
       usCol('total', 'total_us'), usCol('mean', 'mean_us'), usCol('median', 'median_us'), usCol('p95', 'p95_us'),
-      { title: 'share', field: 'share_pct', ...num((v) => v.toFixed(1) + ' %'), width: 80 }] });
+      { title: 'share', field: 'share_pct', ...num((v) => v.toFixed(1) + ' %'), width: 80 },
+      // the GPU's PM counters during the kernel's family (server: analysis.counters), when the capture has them
+      ...(ks.counters ? [
+        { title: 'SM act', field: 'hw_sm_active_pct', ...num((v) => (v == null ? '' : v.toFixed(0) + ' %')), width: 80 },
+        { title: 'tensor', field: 'hw_tensor_active_pct', ...num((v) => (v == null ? '' : v.toFixed(0) + ' %')), width: 80 },
+        { title: 'DRAM GB/s', field: 'hw_dram_gbps', ...num((v) => (v == null ? '' : v.toFixed(0))), width: 95 },
+        { title: 'bound', field: 'hw_bound', headerFilter: 'input', width: 90 }] : [])] });
   window.__aiprof.tables = { python: tPy, ops: tOps, kernels: tK };
   const ready = (t) => new Promise((res) => t.on('tableBuilt', res));
   await Promise.all([ready(tPy), ready(tOps), ready(tK)]);

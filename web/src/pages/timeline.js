@@ -55,8 +55,14 @@ function rankTree(L, meta) {
       g.streams.get(lane.thread).children.push({ lane, label });
     }
   }
+  // the GPU's PM counters (group 'gpu') go under the GPU tracks, the others (memory, hw.csv) in "counters"
+  const pmC = L.counters.filter((c) => c.group === 'gpu'), other = L.counters.filter((c) => c.group !== 'gpu');
+  if (pmC.length) {
+    if (!gpus.size) gpus.set(0, { id: `r${r}:g0`, rank: r, label: 'GPU', children: [], streams: new Map() });
+    gpus.values().next().value.children.push({ id: `r${r}:pm`, rank: r, label: `GPU counters (${pmC.length})`, children: pmC.map((c) => ({ counter: c, label: c.name })) });
+  }
   root.children.push(...procs.values(), ...gpus.values());
-  if (L.counters.length) root.children.push({ id: `r${r}:c`, rank: r, label: `counters (${L.counters.length})`, children: L.counters.map((c) => ({ counter: c, label: c.name })) });
+  if (other.length) root.children.push({ id: `r${r}:c`, rank: r, label: `counters (${other.length})`, children: other.map((c) => ({ counter: c, label: c.name })) });
   // a collapsed thread or stream still shows its top row (depth 0 / its kernels)
   const summary = (n) => n.children.find((c) => c.lane && (c.lane.group === 'host' ? c.lane.depth === 0 : c.label === 'kernels / memcpy')) || n.children.find((c) => c.lane);
   const walk = (n) => { if (n.children) { n.summary = summary(n)?.lane || null; n.children.forEach(walk); } };
@@ -85,7 +91,7 @@ export default async function timeline(root, { rank, meta, params }) {
   const main = h(`<div class="tl-main"><div class="tl-scroll" id="tl-scroll"><canvas id="tl-canvas" tabindex="0"></canvas></div>
     <div class="tl-side"><div id="tl-details" class="hint">Select an event.</div><div id="tl-results"></div></div></div>`);
   root.appendChild(main);
-  if (!Ls.some((L) => L.hw)) main.querySelector('#tl-results').innerHTML = '<div class="empty" id="tl-nohw">No hardware counter tracks: this capture has no hw.csv.</div>';
+  if (!Ls.some((L) => L.hw || L.counters.some((c) => c.group === 'gpu'))) main.querySelector('#tl-results').innerHTML = '<div class="empty" id="tl-nohw">No hardware counter tracks: this capture has no hw.csv.</div>';
   const canvas = main.querySelector('#tl-canvas');
   const scroll = main.querySelector('#tl-scroll');
   const ctx = canvas.getContext('2d');
@@ -97,7 +103,7 @@ export default async function timeline(root, { rank, meta, params }) {
   const open = new Map(Object.entries(saved));
   const isOpen = (n) => {
     if (open.has(n.id)) return open.get(n.id);
-    if (/:c$/.test(n.id)) return shown.length === 1; // counters: open when one rank is shown
+    if (/:c$|:pm$/.test(n.id)) return shown.length === 1; // counters: open when one rank is shown
     if (/:t\d+$|:t-?\d+$/.test(n.id)) return n.main && n.rank === shown[0]; // the first rank's main thread
     return true;
   };
@@ -321,7 +327,8 @@ export default async function timeline(root, { rank, meta, params }) {
     }
     ctx.closePath(); ctx.fill(); ctx.stroke();
     ctx.fillStyle = '#333';
-    ctx.fillText(`max ${r.counter.unit === 'bytes' ? bytes(max) : max.toFixed(1)}`, LEFT + 4, r.y + 7);
+    const u = r.counter.unit;
+    ctx.fillText(`max ${u === 'bytes' ? bytes(max) : u === 'B/s' ? bytes(max) + '/s' : max.toFixed(1) + (u === '%' ? '%' : '')}`, LEFT + 4, r.y + 7);
   }
 
   let frame = 0;

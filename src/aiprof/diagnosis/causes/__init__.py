@@ -13,6 +13,7 @@ from aiprof.diagnosis.causes import (
     host_sampling,
     host_scheduling,
     host_sync,
+    idle_sms,
     kv_cache_copy,
     launch_bound,
     matmul_precision,
@@ -28,6 +29,6 @@ from aiprof.diagnosis.causes import (
 # runs before the generic launch_bound, which prices what is left.
 RANK_DETECTORS = (allocator_churn, new_shapes, unfused_optimizer, host_sync, pageable_copy, dataloader,
                   host_preprocessing, host_sampling, host_scheduling, kv_cache_copy, prefill_stall, small_batch,
-                  matmul_precision, decode_launch_bound, launch_bound)
+                  matmul_precision, idle_sms, decode_launch_bound, launch_bound)
 # Detectors whose remedy would also hide the specific causes' symptoms: priced after those.
 GENERIC = (launch_bound,)

@@ -1,0 +1,101 @@
+"""CUPTI PM sampling: where it cannot run (this CPU machine, CI), the agent says why and falls back
+to NVML/GPM; request validation. The GPU path itself is exercised by bench/pm_probe.py."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from aiprof.agent.config import CaptureRequest, RequestError
+from aiprof.agent.hwmon import HwSampler
+from aiprof.agent.pmsampling import PmSampler, PmUnavailable
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this test is about machines without a GPU")
+def test_pm_sampler_without_gpu_raises_one_line_reason():
+    with pytest.raises(PmUnavailable) as ei:
+        PmSampler(0, 100)
+    msg = str(ei.value)
+    assert msg and "\n" not in msg and "Traceback" not in msg
+
+
+def test_pm_interval_outside_bounds_is_refused_before_any_cupti_call():
+    with pytest.raises(PmUnavailable, match="outside"):
+        PmSampler(0, 5)
+
+
+def test_hw_sampler_without_cuda_device_says_so_once():
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=None)
+    s.start()
+    s.stop_pm(timeout=10)
+    samples = s.stop(timeout=10)
+    assert s.pm_samples is None
+    assert s.pm_status["asked"] and not s.pm_status["ok"]
+    assert "no CUDA device" in s.pm_status["error"]
+    # a CPU job: the sampler's own note says there is no GPU; PM adds no second one
+    assert [n for n in s.notes if "CUDA" in n] == ["no CUDA device in use: GPU counters not sampled"]
+    assert isinstance(samples, list)
+
+
+@pytest.mark.skipif(_has_gpu(), reason="this test is about machines without a GPU")
+def test_hw_sampler_pm_failure_on_a_cpu_machine_is_recorded_not_raised():
+    # the real path: build (or find headers missing), load CUPTI, fail to initialise the profiler
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.profiler_ready.set()  # as the capture driver does after prepare_trace
+    s.start()
+    s._pm_ready.wait(120)  # first use may compile the C side
+    s.stop(timeout=10)
+    assert not s.pm_status["ok"] and s.pm_status["error"]
+    assert "cupti-pm" not in s.sources
+    assert any("PM sampling unavailable" in n and "NVML/GPM" in n for n in s.notes)
+
+
+def test_pm_setup_waiting_for_the_profiler_is_released_by_stop():
+    # a capture that fails before the profiler is prepared: the setup gives up, no CUPTI call
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.start()
+    s.stop(timeout=10)
+    assert s._pm_ready.wait(10)
+    assert not s.pm_status["ok"] and "before the profiler was ready" in s.pm_status["error"]
+
+
+def test_hw_sampler_pm_off_asks_nothing():
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=0, cuda_index=0)
+    s.start()
+    s.stop(timeout=10)
+    assert s.pm_status == {"asked": False, "ok": False}
+    assert not any("PM sampling" in n for n in s.notes)
+
+
+@pytest.mark.parametrize("us,ok", [(0, True), (20, True), (100, True), (100_000, True), (5, False), (-1, False),
+                                   (100_001, False)])
+def test_request_validates_pm_interval(us, ok):
+    req = CaptureRequest(hw_pm_interval_us=us)
+    if ok:
+        assert req.normalised().hw_pm_interval_us == us
+    else:
+        with pytest.raises(RequestError, match="hw-pm-interval-us"):
+            req.normalised()
+
+
+def test_request_default_and_round_trip():
+    req = CaptureRequest().normalised()
+    assert req.hw_pm_interval_us == 100
+    assert CaptureRequest.from_dict(req.to_dict()).hw_pm_interval_us == 100
+
+
+def test_cli_bad_pm_interval_is_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "aiprof", "run", "--iterations", "1", "--hw-pm-interval-us", "3", "--",
+                        sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "hw-pm-interval-us" in r.stderr and "Traceback" not in r.stderr
