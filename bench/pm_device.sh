@@ -13,7 +13,7 @@ PROBE_ROUNDS=5 PROBE_STEPS=10 timeout 120 python3 bench/pm_probe.py > /tmp/probe
 cat /tmp/probe.log >> "$L"; tail -c 2500 /tmp/probe.log
 mkdir -p /tmp/keep
 rm -rf /tmp/caps
-STEPS=40 timeout 80 python3 -m aiprof run --skip 10 -n 3 --what kernels,hw --out /tmp/caps --capture-id gpt2pm -- \
+STEPS=40 timeout 80 python3 -m aiprof run --skip 10 -n 3 --what kernels,hw --hw-pm-interval-us 100 --out /tmp/caps --capture-id gpt2pm -- \
     python3 bench/gpt_train.py steps > /tmp/run.log 2>&1; echo "run rc=$?"; tail -5 /tmp/run.log; cat /tmp/run.log >> "$L"
 d=/tmp/caps/gpt2pm/rank0
 ls -la $d

@@ -88,9 +88,9 @@ def test_request_validates_pm_interval(us, ok):
             req.normalised()
 
 
-def test_request_default_and_round_trip():
-    req = CaptureRequest().normalised()
-    assert req.hw_pm_interval_us == 100
+def test_request_default_is_off_and_round_trips():
+    assert CaptureRequest().normalised().hw_pm_interval_us == 0  # experimental: only when asked for
+    req = CaptureRequest(hw_pm_interval_us=100).normalised()
     assert CaptureRequest.from_dict(req.to_dict()).hw_pm_interval_us == 100
 
 
