@@ -1,6 +1,7 @@
 """Turns decoded Kineto events into the store's tables (docs/metrics.md, "Tables")."""
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Optional
 
 import msgspec
@@ -310,9 +311,18 @@ class Builder:
         c.add_num("warps_per_sm", _floats([x.warps_sm for x in a], np.float32), np.float32)
         c.add_num("occupancy", _floats([x.occupancy for x in a], np.float32), np.float32)
         c.add_num("queued", _ints([x.queued for x in a], -1), np.int64)
-        cache = self.kernel_cls
-        c.add_str("cls", [_kernel_cls(cache, e.name, x.coll is not None) for e, x in zip(evs, a)])
+        c.add_str("cls", self._kernel_classes([e.name for e in evs], [x.coll is not None for x in a]))
         self._collectives(evs, a, side="gpu")
+
+    def _kernel_classes(self, names: list[str], has_coll: list[bool]) -> list[str]:
+        """Each kernel's class, looked up by (name, has collective args) in C; classified in
+        Python only for a pair not seen before (a trace has a few thousand distinct kernels)."""
+        keys = list(zip(names, has_coll))
+        cls = list(map(self.kernel_cls.get, keys))
+        if None in cls:
+            cache = self.kernel_cls
+            cls = [v if v is not None else _kernel_cls(cache, *k) for v, k in zip(cls, keys)]
+        return cls
 
     def memops(self, evs: list[Ev], kind: str) -> None:
         c = self._cols("memops")
@@ -404,16 +414,16 @@ class Builder:
             parts = [p for p in self.flow_pts if p[0] == end]
             if not parts:
                 return [], [np.zeros(0, np.int64)] * 3
-            keys = [k for p in parts for k in p[1]]
+            keys = list(itertools.chain.from_iterable(p[1] for p in parts))
             return keys, [np.concatenate([p[i] for p in parts]) for i in (2, 3, 4)]
         skeys, scols = cat(0)
         ekeys, ecols = cat(1)
         start_of = dict(zip(skeys, range(len(skeys))))  # a repeated id keeps its last start
-        si = np.array([start_of.get(k, -1) for k in ekeys], dtype=np.int64)
+        si = np.fromiter(map(start_of.get, ekeys, itertools.repeat(-1)), np.int64, len(ekeys))
         ok = si >= 0
         if not ok.any():
             return None
-        keys = [k for k, good in zip(ekeys, ok) if good]
+        keys = list(itertools.compress(ekeys, ok.tolist()))
         return keys, [c[si[ok]] for c in scols], [c[ok] for c in ecols]
 
     def merge(self, other: "Builder") -> None:
@@ -437,8 +447,8 @@ class Builder:
         if rows is not None:
             fl = Columns()
             keys, src, dst = rows
-            fl.add_str("cat", [k[0] for k in keys])
-            fl.add_num("id", [_pid(k[1]) for k in keys], np.int64)
+            fl.add_str("cat", [k for k, _ in keys])
+            fl.add_num("id", _ids([k[1] for k in keys]), np.int64)
             for i, col in enumerate(("ts", "pid", "tid")):
                 fl.add_num("src_" + col, src[i], np.int64)
                 fl.add_num("dst_" + col, dst[i], np.int64)
