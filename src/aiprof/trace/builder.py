@@ -37,6 +37,8 @@ DUR_MAX_US = 2.0**61 / 1000.0
 def _checked(evs: list[Ev], field: str, lo: float, hi: float) -> np.ndarray:
     """The events' ``field`` as float64; EventError for the first one missing or out of range."""
     a = np.fromiter([e.ts for e in evs] if field == "ts" else [e.dur for e in evs], np.float64, len(evs))
+    if not len(a) or (lo <= a.min() and a.max() <= hi):  # two reductions: the usual, all-good case
+        return a
     bad = ~((a >= lo) & (a <= hi))  # NaN (missing) fails both
     if bad.any():
         i = int(np.argmax(bad))

@@ -5,10 +5,10 @@ boundaries into batches of a few hundred KB, and each batch is decoded by msgspe
 into small typed structs (unknown fields are skipped in C), then turned into columns. Peak
 memory is bounded by one chunk plus the columns, not by the JSON size.
 
-Why batches: a batch's events become Python objects of several times its JSON size, and the
-builder walks them once per column. Small enough to stay in the CPU's caches, the walks run
-from cache; a whole 8 MB chunk's objects do not fit, and ingest ran ~1.6x slower
-(DECODE_BYTES).
+Why batches: a batch's events become Python objects of about twice its JSON size (more with
+their decoded args), and the builder walks them once per column. Small enough to stay in a
+core's cache, the walks run from cache; a whole 8 MB chunk's objects do not fit, and ingest ran
+~1.6x slower (DECODE_BYTES). The tables do not depend on the batches (builder.Builder).
 
 Cutting: a boundary candidate is a ``},`` in the byte stream. A candidate inside a nested
 object or a string leaves unbalanced brackets or an open string, so the chunk fails to decode
@@ -34,9 +34,10 @@ from aiprof.trace.table import Table
 __all__ = ["CHUNK_BYTES", "DECODE_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_trace"]
 
 CHUNK_BYTES = 8 << 20
-# Events decoded and built per batch. Their Python objects (~3-4x the JSON) must stay in the
-# CPU's caches while the builder walks them column by column: on the 105 MB benchmark trace,
-# 8 MB batches took 1.6x the CPU time of 256 KB ones, 64 KB ones 1.1x (per-batch overhead).
+# JSON decoded and built per batch. Its Python objects (~2x the JSON, more with the args) should
+# stay in a core's L2 cache (1 MB on the EPYC that measured it) while the builder walks them
+# column by column: on the 105 MB benchmark trace, 8 MB batches took 1.6x the CPU time of
+# 256 KB ones; 64 KB ones 1.1x (numpy's fixed cost per call starts to count).
 DECODE_BYTES = 256 << 10
 _MAX_CUT_TRIES = 12
 _HEADER_LIMIT = 64 << 20
