@@ -291,8 +291,10 @@ _KINETO_SEP = b"\n  },\n  {"
 PARALLEL_MIN_BYTES = 48 << 20  # below, starting the workers costs more than it saves
 
 
-def decode_block(data: bytearray) -> Builder | None:
+def decode_block(data: bytes | bytearray) -> Builder | None:
     """Worker side: decode ``[`` events ``]`` into a fresh builder (None if anything is wrong)."""
+    if not isinstance(data, bytearray):  # the batches are cut in place (a worker gets a bytearray)
+        data = bytearray(data)
     try:
         b = Builder()
         for batch in _kineto_batches(data):
