@@ -47,7 +47,9 @@ def load_ref(ref: str, into: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="a Kineto JSON trace")
-    ap.add_argument("--ref", default="main", help="git revision to compare with (default main)")
+    ap.add_argument("--ref", default="main",
+                    help="git revision to compare with (default main); its reader modules import the rest of "
+                         "aiprof from the working tree, so pick one where that matches (e.g. the merge-base)")
     ap.add_argument("--runs", type=int, default=7, help="reads of each (default 7)")
     args = ap.parse_args()
     from aiprof.trace import kineto as new

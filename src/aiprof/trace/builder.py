@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import msgspec
 import numpy as np
 
 from aiprof import npx
 from aiprof.trace import classify
-from aiprof.trace.columns import Columns
+from aiprof.trace.columns import Columns, Index
 from aiprof.trace.events import (
     CollArgs,
     Ev,
@@ -150,6 +150,38 @@ def _pid(v) -> int:
         return -1
 
 
+class FlowPoints(NamedTuple):
+    """One batch's flow starts (``end`` 0) or ends (1), paired in Builder.finish."""
+
+    end: int
+    cats: np.ndarray  # int32 codes into Builder.flow_cats
+    ids: Optional[np.ndarray]  # int64; None when an id is a str or absent (then ``keys`` holds them)
+    keys: Optional[list[tuple]]  # (cat, id) as decoded, only where ``ids`` is None
+    ns: np.ndarray
+    pid: np.ndarray
+    tid: np.ndarray
+
+
+def _match_last(sc: np.ndarray, sid: np.ndarray, ec: np.ndarray, eid: np.ndarray) -> np.ndarray:
+    """For each end (cat code ``ec``, id ``eid``), the index of the last start with the same
+    (cat, id), or -1: what ``dict(zip(start keys, range(n)))`` gives, done with sorts."""
+    si = np.full(len(eid), -1, np.int64)
+    for c in np.unique(ec):  # a handful of flow categories
+        s_rows = np.nonzero(sc == c)[0]
+        if not len(s_rows):
+            continue
+        ids = sid[s_rows]
+        order = np.argsort(ids, kind="stable")  # equal ids keep their file order: the last is the run's last
+        sorted_ids = ids[order]
+        last = np.append(sorted_ids[1:] != sorted_ids[:-1], True)
+        uid, upos = sorted_ids[last], s_rows[order[last]]
+        e_rows = np.nonzero(ec == c)[0]
+        pos = np.minimum(np.searchsorted(uid, eid[e_rows]), len(uid) - 1)
+        hit = uid[pos] == eid[e_rows]
+        si[e_rows[hit]] = upos[pos[hit]]
+    return si
+
+
 class Builder:
     """Turns decoded events into the store's tables, chunk by chunk.
 
@@ -167,7 +199,8 @@ class Builder:
         self._stage: dict[str, Columns] = {}  # the staged tables of the kind being built
         self.ts0: Optional[float] = None  # integer-µs anchor that keeps ns conversion exact
         self.threads: dict[tuple[int, int], dict] = {}
-        self.flow_pts: list[tuple] = []
+        self.flow_pts: list[FlowPoints] = []
+        self.flow_cats = Index()  # flow cat -> code in FlowPoints.cats
         self.kernel_cls: dict[tuple[str, bool], str] = {}
         self.agent_threads: list[int] = []
         self.n_events = 0
@@ -407,26 +440,59 @@ class Builder:
 
     def _flow_points(self, evs: list[Ev], end: int) -> None:
         # Paired in finish(): a flow's start and end may sit in different chunks.
-        self.flow_pts.append((end, list(zip([e.cat for e in evs], [e.id for e in evs])), self._ns(evs),
-                              _ids([e.pid for e in evs]), _ids([e.tid for e in evs])))
+        cats = [e.cat for e in evs]
+        ids = [e.id for e in evs]
+        num = np.array(ids)
+        if num.dtype != np.int64 or num.ndim != 1:  # a str or absent id: keep the keys as they are
+            num, keys = None, list(zip(cats, ids))
+        else:
+            keys = None
+        self.flow_pts.append(FlowPoints(end, np.fromiter(map(self.flow_cats.__getitem__, cats), np.int32, len(cats)),
+                                        num, keys, self._ns(evs), _ids([e.pid for e in evs]),
+                                        _ids([e.tid for e in evs])))
 
-    def _pair_flows(self):
-        """Match flow starts ("s") to ends ("f") by (cat, id); None when there are no pairs."""
-        def cat(end: int):
-            parts = [p for p in self.flow_pts if p[0] == end]
-            if not parts:
-                return [], [np.zeros(0, np.int64)] * 3
-            keys = list(itertools.chain.from_iterable(p[1] for p in parts))
-            return keys, [np.concatenate([p[i] for p in parts]) for i in (2, 3, 4)]
-        skeys, scols = cat(0)
-        ekeys, ecols = cat(1)
-        start_of = dict(zip(skeys, range(len(skeys))))  # a repeated id keeps its last start
-        si = np.fromiter(map(start_of.get, ekeys, itertools.repeat(-1)), np.int64, len(ekeys))
-        ok = si >= 0
-        if not ok.any():
-            return None
-        keys = list(itertools.compress(ekeys, ok.tolist()))
-        return keys, [c[si[ok]] for c in scols], [c[ok] for c in ecols]
+    def _pair_flows(self) -> Optional[tuple[Columns, int]]:
+        """Match flow starts ("s") to ends ("f") by (cat, id), a repeated start's last occurrence
+        winning; the pairs' cat and id columns and their count, None when there are no pairs."""
+        def side(end: int) -> tuple[list[FlowPoints], list[np.ndarray]]:
+            parts = [p for p in self.flow_pts if p.end == end]
+            cols = [np.concatenate([getattr(p, f) for p in parts]) if parts else np.zeros(0, np.int64)
+                    for f in ("ns", "pid", "tid")]
+            return parts, cols
+        sparts, scols = side(0)
+        eparts, ecols = side(1)
+        labels = list(self.flow_cats)
+        if all(p.ids is not None for p in sparts + eparts):  # numeric ids, the usual: pair in numpy
+            sc, ec = (np.concatenate([p.cats for p in ps]) if ps else np.zeros(0, np.int32) for ps in (sparts, eparts))
+            sid, eid = (np.concatenate([p.ids for p in ps]) if ps else np.zeros(0, np.int64) for ps in (sparts, eparts))
+            si = _match_last(sc, sid, ec, eid)
+            ok = si >= 0
+            if not ok.any():
+                return None
+            fl = Columns()
+            fl.add_coded("cat", ec[ok], labels)
+            fl.add_num("id", eid[ok], np.int64)
+        else:
+            def keys(parts: list[FlowPoints]) -> list[tuple]:
+                return list(itertools.chain.from_iterable(
+                    p.keys if p.keys is not None else zip(map(labels.__getitem__, p.cats.tolist()), p.ids.tolist())
+                    for p in parts))
+            skeys, ekeys = keys(sparts), keys(eparts)
+            start_of = dict(zip(skeys, range(len(skeys))))  # a repeated id keeps its last start
+            si = np.fromiter(map(start_of.get, ekeys, itertools.repeat(-1)), np.int64, len(ekeys))
+            ok = si >= 0
+            if not ok.any():
+                return None
+            paired = list(itertools.compress(ekeys, ok.tolist()))
+            fl = Columns()
+            fl.add_str("cat", [k for k, _ in paired])
+            fl.add_num("id", _ids([k[1] for k in paired]), np.int64)
+        for i, col in enumerate(("ts", "pid", "tid")):
+            fl.add_num("src_" + col, scols[i][si[ok]], np.int64)
+            fl.add_num("dst_" + col, ecols[i][ok], np.int64)
+        n = int(ok.sum())
+        fl.rows = n
+        return fl, n
 
     def merge(self, other: "Builder") -> None:
         """Append the rows another builder decoded (a worker's chunk), remapping string codes."""
@@ -434,7 +500,8 @@ class Builder:
         other.end_chunk()
         for name, oc in other.t.items():
             self._table(name).extend(oc)
-        self.flow_pts.extend(other.flow_pts)
+        remap = np.array([self.flow_cats[c] for c in other.flow_cats] or [0], np.int32)
+        self.flow_pts.extend(p._replace(cats=remap[p.cats]) for p in other.flow_pts)
         for key, names in other.threads.items():
             self.threads.setdefault(key, {}).update(names)
         self.n_events += other.n_events
@@ -445,17 +512,9 @@ class Builder:
         tables = {name: c.table() for name, c in self.t.items() if c.rows}
         if "python" in tables:
             tables["python"], self.agent_threads = drop_agent_threads(tables["python"])
-        rows = self._pair_flows()
-        if rows is not None:
-            fl = Columns()
-            keys, src, dst = rows
-            fl.add_str("cat", [k for k, _ in keys])
-            fl.add_num("id", _ids([k[1] for k in keys]), np.int64)
-            for i, col in enumerate(("ts", "pid", "tid")):
-                fl.add_num("src_" + col, src[i], np.int64)
-                fl.add_num("dst_" + col, dst[i], np.int64)
-            fl.rows = len(keys)
-            tables["flows"] = fl.table("src_ts")
+        flows = self._pair_flows()
+        if flows is not None:
+            tables["flows"] = flows[0].table("src_ts")
         if self.threads:
             th = Columns()
             keys = sorted(self.threads)

@@ -42,6 +42,16 @@ class Columns:
         index, parts = self.strings.setdefault(name, (Index(), []))
         parts.append(np.full(n, index[value], np.int32))
 
+    def add_coded(self, name: str, codes: np.ndarray, labels: list[str]) -> None:
+        """Append rows given as codes into ``labels``: what ``add_str([labels[c] for c in codes])``
+        appends (labels new to the column registered in order of first appearance), in numpy."""
+        index, parts = self.strings.setdefault(name, (Index(), []))
+        remap = np.zeros(max(len(labels), 1), np.int32)
+        used, first = np.unique(codes, return_index=True)
+        for c in used[np.argsort(first)].tolist():
+            remap[c] = index[labels[c]]
+        parts.append(remap[codes])
+
     def extend(self, other: Columns) -> None:
         """Append ``other``'s rows (columns of the same names), re-coding its string labels."""
         for name, parts in other.numeric.items():
