@@ -409,7 +409,7 @@ def _decode_cut(b: Builder, buf: bytes, start: int, end: int, at: _At) -> Option
         if cut < 0:
             return None
         try:
-            evs = EVENTS.decode(b"[" + buf[start: cut + 1] + b"]")
+            evs = EVENTS.decode(b"".join((b"[", memoryview(buf)[start: cut + 1], b"]")))  # one copy
         except msgspec.ValidationError as exc:  # (a subclass of DecodeError)
             raise _event_at(b, at, exc) from None
         except msgspec.DecodeError:
