@@ -21,6 +21,10 @@ class Index(dict):
         return code
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 @dataclass
 class Columns:
     """Accumulates the rows of one table across chunks as per-chunk numpy pieces."""
@@ -53,13 +57,18 @@ class Columns:
         parts.append(remap[codes])
 
     def extend(self, other: Columns) -> None:
-        """Append ``other``'s rows (columns of the same names), re-coding its string labels."""
+        """Append ``other``'s rows (columns of the same names), re-coding its string labels.
+
+        Each of ``other``'s columns becomes one piece here: a chunk's batches arrive as many
+        small pieces, and fewer, larger ones keep a worker's pickled result and the final
+        concatenation cheap.
+        """
         for name, parts in other.numeric.items():
-            self.numeric.setdefault(name, []).extend(parts)
+            self.numeric.setdefault(name, []).append(_joined(parts))
         for name, (oindex, oparts) in other.strings.items():
             index, parts = self.strings.setdefault(name, (Index(), []))
             remap = np.array([index[label] for label in oindex] or [0], dtype=np.int32)
-            parts.extend(remap[p] for p in oparts)
+            parts.append(remap[_joined(oparts)])
         self.rows += other.rows
 
     def table(self, sort_key: str = "ts") -> Table:
