@@ -118,7 +118,7 @@ def _xyz(values: list) -> list[np.ndarray]:
     return [np.array([v[i] if v and len(v) > i else -1 for v in values], np.int64) for i in range(3)]
 
 
-_NUL = "\x00"  # never in raw JSON text (a control character must be escaped inside a string)
+_NUL = "\x00"  # never in raw JSON text: msgspec refuses an unescaped control character
 
 
 def _raw_texts(raws: list) -> list[str]:
@@ -126,9 +126,12 @@ def _raw_texts(raws: list) -> list[str]:
     if not raws:
         return []
     try:
-        return b"\x00".join(raws).decode().split(_NUL)
+        texts = b"\x00".join(raws).decode().split(_NUL)
     except UnicodeDecodeError:  # msgspec does not check UTF-8 in skipped values: fail as one would
-        return [bytes(r).decode() for r in raws]
+        texts = []
+    if len(texts) != len(raws):  # the error above (or a NUL after all): one by one
+        texts = [bytes(r).decode() for r in raws]
+    return texts
 
 
 def _kernel_cls(cache: dict, name: str, has_coll: bool) -> str:
