@@ -13,6 +13,7 @@ and prints MB/s, peak RSS and the ratios. Usage::
 
     python bench/ingest.py                 # ~1 GB trace, both tools
     python bench/ingest.py --size-mb 200 --skip-hta
+    python bench/ingest.py --trace bench/out/bench_1000mb.json --skip-hta   # a trace made before (--keep)
 """
 from __future__ import annotations
 
@@ -139,6 +140,7 @@ def main() -> None:
     ap.add_argument("--dir", default=str(ROOT / "bench" / "out"), help="where to write the trace")
     ap.add_argument("--skip-hta", action="store_true", help="measure aiprof only")
     ap.add_argument("--keep", action="store_true", help="keep the generated trace")
+    ap.add_argument("--trace", help="measure this trace (e.g. one kept from an earlier run) instead of generating one")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -146,12 +148,19 @@ def main() -> None:
         return
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)
-    trace = d / f"bench_{args.size_mb}mb.json"
-    t = time.perf_counter()
-    info = generate(trace, args.size_mb)
-    mb = info["bytes"] / 1e6
-    print(f"generated {trace} : {mb:,.0f} MB, {info['events']:,} events ({info['copies']} copies of 5 steps) "
-          f"in {time.perf_counter() - t:.1f} s", flush=True)
+    if args.trace:
+        trace = Path(args.trace)
+        info = {"bytes": trace.stat().st_size}
+        mb = info["bytes"] / 1e6
+        print(f"trace {trace} : {mb:,.0f} MB", flush=True)
+        args.keep = True  # never delete a trace we did not make
+    else:
+        trace = d / f"bench_{args.size_mb}mb.json"
+        t = time.perf_counter()
+        info = generate(trace, args.size_mb)
+        mb = info["bytes"] / 1e6
+        print(f"generated {trace} : {mb:,.0f} MB, {info['events']:,} events ({info['copies']} copies of 5 steps) "
+              f"in {time.perf_counter() - t:.1f} s", flush=True)
     store = Path(str(trace) + ".aiprof")
     shutil.rmtree(store, ignore_errors=True)
     rows = []

@@ -2,11 +2,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from aiprof.trace.table import Strings, Table
+
+
+class Index(dict):
+    """Label -> code, codes given in order of first appearance (a missing label gets the next one).
+
+    ``np.fromiter(map(index.__getitem__, values))`` encodes a column in C; Python runs only for
+    a label not seen before (``__missing__``), and a column has few distinct labels.
+    """
+
+    def __missing__(self, label: str) -> int:
+        code = self[label] = len(self)
+        return code
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 @dataclass
@@ -14,18 +30,46 @@ class Columns:
     """Accumulates the rows of one table across chunks as per-chunk numpy pieces."""
 
     numeric: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    strings: dict[str, tuple[dict[str, int], list[np.ndarray]]] = field(default_factory=dict)
+    strings: dict[str, tuple[Index, list[np.ndarray]]] = field(default_factory=dict)
     rows: int = 0
 
     def add_num(self, name: str, values, dtype) -> None:
         self.numeric.setdefault(name, []).append(np.asarray(values, dtype=dtype))
 
-    def add_str(self, name: str, values) -> None:
-        # Encode the chunk in C (pyarrow), then map its few distinct labels to global codes.
-        index, parts = self.strings.setdefault(name, ({}, []))
-        enc = pa.array(values, pa.string()).dictionary_encode()
-        remap = np.array([index.setdefault(s, len(index)) for s in enc.dictionary.to_pylist()] or [0], dtype=np.int32)
-        parts.append(remap[enc.indices.to_numpy(zero_copy_only=False)])
+    def add_str(self, name: str, values: Sequence[str]) -> None:
+        """Append a chunk of a string column, encoded against the column's labels so far."""
+        index, parts = self.strings.setdefault(name, (Index(), []))
+        parts.append(np.fromiter(map(index.__getitem__, values), np.int32, len(values)))
+
+    def add_same_str(self, name: str, value: str, n: int) -> None:
+        """Append ``n`` rows that all hold ``value``."""
+        index, parts = self.strings.setdefault(name, (Index(), []))
+        parts.append(np.full(n, index[value], np.int32))
+
+    def add_coded(self, name: str, codes: np.ndarray, labels: list[str]) -> None:
+        """Append rows given as codes into ``labels``: what ``add_str([labels[c] for c in codes])``
+        appends (labels new to the column registered in order of first appearance), in numpy."""
+        index, parts = self.strings.setdefault(name, (Index(), []))
+        remap = np.zeros(max(len(labels), 1), np.int32)
+        used, first = np.unique(codes, return_index=True)
+        for c in used[np.argsort(first)].tolist():
+            remap[c] = index[labels[c]]
+        parts.append(remap[codes])
+
+    def extend(self, other: Columns) -> None:
+        """Append ``other``'s rows (columns of the same names), re-coding its string labels.
+
+        Each of ``other``'s columns becomes one piece here: a chunk's batches arrive as many
+        small pieces, and fewer, larger ones keep a worker's pickled result and the final
+        concatenation cheap.
+        """
+        for name, parts in other.numeric.items():
+            self.numeric.setdefault(name, []).append(_joined(parts))
+        for name, (oindex, oparts) in other.strings.items():
+            index, parts = self.strings.setdefault(name, (Index(), []))
+            remap = np.array([index[label] for label in oindex] or [0], dtype=np.int32)
+            parts.append(remap[_joined(oparts)])
+        self.rows += other.rows
 
     def table(self, sort_key: str = "ts") -> Table:
         """The accumulated rows, sorted by ``sort_key`` (stable) so row order never depends on chunking."""

@@ -4,6 +4,12 @@ An event's ``args`` stay raw (``msgspec.Raw``) in the first pass; each event kin
 decodes the args of all its events in one call with a small struct of just the fields it reads
 (``decode_args``). Unknown fields are skipped in C. Old and new arg names are both listed
 (``External id``/``external id``, ``correlation``/``correlation id``, ...).
+
+A field whose column has a fixed value for "absent" (-1 for ids and counts, NaN for measures)
+has that value as its default, so that the builder turns a list of them into a numpy column in
+one C call; such a field is still ``Optional`` and a JSON ``null`` in it decodes to None, which
+the builder maps to the same value (``builder._ints``). Fields with a fallback (``ext_old``,
+``corr_old``, ``device``, ``stream``, the old message sizes) keep None, which marks "absent".
 """
 from __future__ import annotations
 
@@ -78,27 +84,27 @@ class CollArgs(_A, gc=False):
     out_nelems: Optional[I64] = msgspec.field(default=None, name="Out msg nelems")
     in_size_old: Optional[I64] = msgspec.field(default=None, name="In msg size")
     out_size_old: Optional[I64] = msgspec.field(default=None, name="Out msg size")
-    group_size: Optional[I64] = msgspec.field(default=None, name="Group size")
+    group_size: Optional[I64] = msgspec.field(default=-1, name="Group size")
     dtype: Optional[str] = None
     pg_name: Optional[str] = msgspec.field(default=None, name="Process Group Name")
     pg_desc: Optional[str] = msgspec.field(default=None, name="Process Group Description")
     pg_ranks: Raw = msgspec.field(default=Raw(), name="Process Group Ranks")
-    coll_seq: Optional[I64] = msgspec.field(default=None, name="Seq")
+    coll_seq: Optional[I64] = msgspec.field(default=-1, name="Seq")
 
 
 class OpArgs(CollArgs, gc=False):
-    seq: Optional[I64] = msgspec.field(default=None, name="Sequence number")
-    fwd_tid: Optional[I64] = msgspec.field(default=None, name="Fwd thread id")
+    seq: Optional[I64] = msgspec.field(default=-1, name="Sequence number")
+    fwd_tid: Optional[I64] = msgspec.field(default=-1, name="Fwd thread id")
     dims: Raw = msgspec.field(default=Raw(), name="Input Dims")
     dims_old: Raw = msgspec.field(default=Raw(), name="Input dims")
     types: Raw = msgspec.field(default=Raw(), name="Input type")
-    flops: Optional[float] = None
+    flops: Optional[float] = MISSING
 
 
 class PyArgs(msgspec.Struct, gc=False):
-    py_id: Optional[I64] = msgspec.field(default=None, name="Python id")
-    py_parent: Optional[I64] = msgspec.field(default=None, name="Python parent id")
-    py_module: Optional[I64] = msgspec.field(default=None, name="Python module id")
+    py_id: Optional[I64] = msgspec.field(default=-1, name="Python id")
+    py_parent: Optional[I64] = msgspec.field(default=-1, name="Python parent id")
+    py_module: Optional[I64] = msgspec.field(default=-1, name="Python module id")
 
 
 class _GpuArgs(CollArgs, gc=False):
@@ -113,44 +119,47 @@ class _GpuArgs(CollArgs, gc=False):
 
 
 class RuntimeArgs(_GpuArgs, gc=False):
-    cbid: Optional[I64] = None
+    cbid: Optional[I64] = -1
 
 
 class KernelArgs(_GpuArgs, gc=False):
-    queued: Optional[I64] = None
+    queued: Optional[I64] = -1
     grid: Optional[list[I64]] = None
     block: Optional[list[I64]] = None
-    regs: Optional[I32] = msgspec.field(default=None, name="registers per thread")
-    smem: Optional[I64] = msgspec.field(default=None, name="shared memory")
-    blocks_sm: Optional[F32] = msgspec.field(default=None, name="blocks per SM")
-    warps_sm: Optional[F32] = msgspec.field(default=None, name="warps per SM")
-    occupancy: Optional[F32] = msgspec.field(default=None, name="est. achieved occupancy %")
+    regs: Optional[I32] = msgspec.field(default=-1, name="registers per thread")
+    smem: Optional[I64] = msgspec.field(default=-1, name="shared memory")
+    blocks_sm: Optional[F32] = msgspec.field(default=MISSING, name="blocks per SM")
+    warps_sm: Optional[F32] = msgspec.field(default=MISSING, name="warps per SM")
+    occupancy: Optional[F32] = msgspec.field(default=MISSING, name="est. achieved occupancy %")
 
 
 class MemopArgs(_GpuArgs, gc=False):
-    nbytes: Optional[I64] = msgspec.field(default=None, name="bytes")
+    nbytes: Optional[I64] = msgspec.field(default=-1, name="bytes")
 
 
 class SyncArgs(_GpuArgs, gc=False):
-    wait_stream: Optional[I64] = msgspec.field(default=None, name="wait_on_stream")
-    wait_corr: Optional[I64] = msgspec.field(default=None, name="wait_on_cuda_event_record_corr_id")
+    wait_stream: Optional[I64] = msgspec.field(default=-1, name="wait_on_stream")
+    wait_corr: Optional[I64] = msgspec.field(default=-1, name="wait_on_cuda_event_record_corr_id")
 
 
 class MemoryArgs(msgspec.Struct, gc=False):
-    mem_bytes: Optional[I64] = msgspec.field(default=None, name="Bytes")
-    total_alloc: Optional[I64] = msgspec.field(default=None, name="Total Allocated")
-    total_reserved: Optional[I64] = msgspec.field(default=None, name="Total Reserved")
-    addr: Optional[I64] = msgspec.field(default=None, name="Addr")
-    device_id: Optional[I64] = msgspec.field(default=None, name="Device Id")
-    device_type: Optional[I64] = msgspec.field(default=None, name="Device Type")
+    mem_bytes: Optional[I64] = msgspec.field(default=0, name="Bytes")
+    total_alloc: Optional[I64] = msgspec.field(default=-1, name="Total Allocated")
+    total_reserved: Optional[I64] = msgspec.field(default=-1, name="Total Reserved")
+    addr: Optional[I64] = msgspec.field(default=0, name="Addr")
+    device_id: Optional[I64] = msgspec.field(default=-1, name="Device Id")
+    device_type: Optional[I64] = msgspec.field(default=-1, name="Device Type")
 
 
 class MetaArgs(msgspec.Struct, gc=False):
     label: Optional[Union[str, I64]] = msgspec.field(default=None, name="name")
 
 
+NO_ARGS = Raw(b"{}")  # an event without args: joins into decode_args' array as an empty object
+
+
 class Ev(msgspec.Struct, gc=False):
-    """One trace event; ``args`` stays raw until its kind's handler decodes it (see _args)."""
+    """One trace event; ``args`` stays raw until its kind's handler decodes it (decode_args)."""
 
     ph: str = ""
     cat: str = ""
@@ -160,7 +169,7 @@ class Ev(msgspec.Struct, gc=False):
     ts: float = MISSING
     dur: float = MISSING
     id: Union[I64, str, None] = None
-    args: Raw = Raw()
+    args: Raw = NO_ARGS
 
 
 EVENTS = msgspec.json.Decoder(list[Ev])
@@ -177,6 +186,6 @@ def decode_args(evs: list[Ev], kind: type) -> list:
     if dec is None:
         dec = _ARGS_DECODERS[kind] = msgspec.json.Decoder(list[kind])
     try:
-        return dec.decode(b"[" + b",".join([e.args if len(e.args) else b"{}" for e in evs]) + b"]")
+        return dec.decode(b"[" + b",".join([e.args for e in evs]) + b"]")
     except msgspec.ValidationError as exc:
         raise validation_error(exc, "args", evs) from None
