@@ -133,3 +133,17 @@ def test_negative_durations_count_as_zero_and_are_counted(tmp_path):
     parsed = kineto.read_trace(str(p))
     assert parsed.tables["ops"]["dur"].tolist() == [0]
     assert parsed.meta["aiprof_negative_durations"] == 1
+
+
+def test_args_that_are_not_utf8_do_not_stop_the_read(tmp_path):
+    """msgspec leaves raw argument values unchecked: bytes that are not UTF-8 in "Input Dims" once
+    escaped as a UnicodeDecodeError traceback. They become U+FFFD; the rest of the trace is read."""
+    p = tmp_path / "t.json"
+    p.write_bytes(b'{"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, '
+                  b'"ts": 1.0, "dur": 2.0, "args": {"Input Dims": [[2, 2]], "Input type": ["\xff\xfe"]}}]}')
+    parsed = kineto.read_trace(str(p))
+    ops = parsed.tables["ops"]
+    assert len(ops) == 1 and "\ufffd" in ops.strings("input_types").labels[0]
+    r = subprocess.run([sys.executable, "-m", "aiprof", "analyze", str(p), "--no-cache"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr

@@ -127,10 +127,12 @@ def _raw_texts(raws: list) -> list[str]:
         return []
     try:
         texts = b"\x00".join(raws).decode().split(_NUL)
-    except UnicodeDecodeError:  # msgspec does not check UTF-8 in skipped values: fail as one would
+    except UnicodeDecodeError:  # msgspec does not check UTF-8 in raw values: see below
         texts = []
     if len(texts) != len(raws):  # the error above (or a NUL after all): one by one
-        texts = [bytes(r).decode() for r in raws]
+        # bytes that are not UTF-8 in a shape/type argument become U+FFFD: the argument is
+        # descriptive, and the rest of the trace is sound
+        texts = [bytes(r).decode(errors="replace") for r in raws]
     return texts
 
 
