@@ -117,6 +117,8 @@ class CaptureDriver:
         self.errors: list[str] = []
         self.export_thread: threading.Thread | None = None
         self.prof_thread: int | None = None  # the thread that prepared or started self.prof
+        self.native: Any = None  # agent.native.NativeSidecar when the request asks for native data
+        self.native_recording = False
 
     # -- control side (agent threads) ---------------------------------------------------------
     def submit(self, req: CaptureRequest, on_done: DoneCallback | None = None) -> str | None:
@@ -130,7 +132,37 @@ class CaptureDriver:
             self.armed_at = time.perf_counter()
             self.armed_count = self.agent.tracker.count
             self.state = ARMED
+        self._launch_native(req)
         return None
+
+    def _launch_native(self, req: CaptureRequest) -> None:
+        """Start (or reuse) the native sidecar; it gets ready while the capture is armed."""
+        cfg = req.native_config()
+        if cfg is None:
+            return
+        try:
+            from aiprof.agent.native import sidecar_for
+
+            self.native = sidecar_for(cfg)
+            if self.native.error:
+                self.errors.append(self.native.error)
+                self.native = None
+        except Exception as exc:
+            self.errors.append(f"native sidecar: {type(exc).__name__}: {exc}")
+            self.native = None
+
+    def _native_pending(self) -> bool:
+        """True while the sidecar is still setting its hooks (the start waits for it, bounded)."""
+        nat = self.native
+        if nat is None or nat.poll_ready():
+            return False
+        from aiprof.agent.native import READY_TIMEOUT_S
+
+        if time.perf_counter() - self.armed_at < READY_TIMEOUT_S and nat.error is None:
+            return True
+        self.errors.append(nat.error or f"native sidecar not ready in {READY_TIMEOUT_S:.0f} s: recorded without it")
+        self.native = None
+        return False
 
     def add_callback(self, cb: DoneCallback) -> None:
         with self._lock:
@@ -156,6 +188,8 @@ class CaptureDriver:
                 self._fail("the main thread ran no Python code for 10 s, so a time-based capture could not start")
                 return
             log.warn_once("stop-wait", "waiting for the main thread to run Python code to stop the profiler")
+        if st == ARMED and self.native is not None and self._native_pending():
+            return  # a time-based start waits for the sidecar too
         if st == ARMED and self.pending_main is None and req.wait_ms is not None:
             tracker = self.agent.tracker
             med = tracker.median_ms() or 0.0
@@ -248,6 +282,8 @@ class CaptureDriver:
                 if req.warmup and k == self.start_at - 1 and not self.prepared:
                     self._prepare()
                 return
+            if self.native is not None and self._native_pending():
+                return  # hooks not in yet: a later iteration starts the capture
             self._start(k, "iterations" if req.iterations is not None else "duration")
             if self.state is not RECORDING:
                 return
@@ -351,6 +387,8 @@ class CaptureDriver:
                 if self.prof is None:
                     self.prof = self._make_profiler()
                     self.prof.prepare_trace()
+                if self.native is not None:  # one pipe write; the sidecar keeps calls from now on
+                    self.native_recording = self.native.start_recording(time.time_ns())
                 self.prof.start_trace()
             self.prof_thread = threading.get_ident()
             from torch.autograd.profiler import record_function
@@ -447,7 +485,11 @@ class CaptureDriver:
                 hw_rows = write_csv(os.path.join(d, "hw.csv"), samples, off)
                 hw_notes, hw_sources = self.sampler.notes, self.sampler.sources
                 self.sampler = None
+            native = self._export_native(d)
             meta = self._meta(trace_bytes, hw_rows, hw_sources, hw_notes)
+            if native is not None:
+                meta["native"] = native
+                meta["files"].update({k: v for k, v in (native.get("files") or {}).items()})
             tmp = os.path.join(d, "meta.json.tmp")
             with open(tmp, "w") as f:
                 json.dump(meta, f, indent=1, default=str)
@@ -468,6 +510,23 @@ class CaptureDriver:
             self.state = IDLE
             self.captures_done += 1
         self._finish(result)
+
+    def _export_native(self, d: str) -> dict[str, Any] | None:
+        """The sidecar's files for this capture (calls.csv, syscalls.csv, native.folded), on the
+        trace clock; None when the request asked for nothing native."""
+        if self.req is None or self.req.native_config() is None:
+            return None
+        nat, recording = self.native, self.native_recording
+        self.native_recording = False
+        if nat is None or not recording:
+            return {"files": {}, "notes": [e for e in self.errors if "native" in e] or ["native sidecar not running"]}
+        window = [self.t_start_unix_ns, self.info.get("stopped_unix_ns") or time.time_ns()]
+        off = self.clock.get("trace_minus_unix_us")
+        if off is None:
+            return {"files": {}, "notes": ["no clock offset: native data not placed on the trace clock"]}
+        res = nat.finish(d, window, float(off))
+        res["ready"] = {k: v for k, v in (nat.ready or {}).items() if k != "event"}
+        return res
 
     def _clock_offset(self, ts: float | None) -> None:
         """Record trace_ts - unix_us in self.clock from the marker's ts in the trace."""
@@ -583,5 +642,7 @@ class CaptureDriver:
             t = self.export_thread
             if t is not None and t.is_alive():
                 t.join(EXPORT_WAIT_AT_EXIT_S)
+            if self.native is not None:
+                self.native.close()
         except Exception as exc:
             log.error("capture at exit", exc)
