@@ -37,6 +37,7 @@ MAX_KEPT_RECORDS = 1_000_000  # 104 MB: a capture window keeps at most this many
 BACKLOG_RECORDS = 100_000  # kept before "start" arrives: calls between the agent's start and ours
 PYSPY_STOP_TIMEOUT_S = 15.0  # py-spy writes its samples on SIGINT; bounded wait for it
 PYSPY_DEFAULT_RATE = 100  # Hz: each --native sample pauses the job's threads to unwind them
+PYSPY_READY_TIMEOUT_S = 60.0  # py-spy --native reads the symbols of every native library first
 
 
 def _send(obj: dict[str, Any]) -> None:
@@ -63,6 +64,7 @@ class Sidecar:
         self.sampler: Any = None
         self.pyspy: subprocess.Popen | None = None
         self.pyspy_out = ""
+        self.pyspy_started_ns = 0
         self.pyspy_err = ""
         self.next_scan = 0.0
         self.thread_names: dict[int, str] = {}
@@ -91,6 +93,11 @@ class Sidecar:
                     self.engine = None
                     self.notes.append(f"library calls not traced: {exc}")
             self.next_scan = time.monotonic() + RESCAN_INTERVAL_S
+        if self.cfg.get("native_stacks"):
+            # py-spy --native needs seconds to load symbols: it starts now, so that it samples
+            # when the capture starts (its samples then cover the armed iterations too)
+            self._start_pyspy()
+            ready["native_stacks"] = self.pyspy is not None
         ready["notes"] = list(self.notes)
         return ready
 
@@ -158,7 +165,7 @@ class Sidecar:
 
             self.sampler = SyscallSampler(self.pid, float(self.cfg.get("syscall_interval_s") or DEFAULT_INTERVAL_S))
             self.sampler.start()
-        if self.cfg.get("native_stacks"):
+        if self.cfg.get("native_stacks") and self.pyspy is None:
             self._start_pyspy()
 
     def _start_pyspy(self) -> None:
@@ -179,11 +186,27 @@ class Sidecar:
         if self.cfg.get("pyspy_blocking", True):
             cmd.remove("--nonblocking")  # --native unwinding needs the threads paused
         try:
-            self.pyspy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            self.pyspy = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                           text=True, start_new_session=True)
         except OSError as exc:
             self.notes.append(f"native stacks not sampled: py-spy: {exc}")
             self.pyspy = None
+            return
+        # py-spy prints "Sampling process ..." on stdout once it samples; wait for it (bounded)
+        import threading
+
+        seen = threading.Event()
+
+        def watch(stream: Any) -> None:
+            for line in stream:
+                if "Sampling process" in line or "times a second" in line:
+                    seen.set()
+            seen.set()  # py-spy exited: no reason to wait longer
+
+        threading.Thread(target=watch, args=(self.pyspy.stdout,), daemon=True).start()
+        if not seen.wait(PYSPY_READY_TIMEOUT_S):
+            self.notes.append(f"py-spy did not start sampling in {PYSPY_READY_TIMEOUT_S:.0f} s")
+        self.pyspy_started_ns = time.time_ns()
 
     def _stop_pyspy(self) -> str | None:
         p, self.pyspy = self.pyspy, None
@@ -192,10 +215,11 @@ class Sidecar:
         if p.poll() is None:
             p.send_signal(signal.SIGINT)
         try:
-            _, err = p.communicate(timeout=PYSPY_STOP_TIMEOUT_S)
+            p.wait(timeout=PYSPY_STOP_TIMEOUT_S)
+            err = p.stderr.read() if p.stderr else ""
         except subprocess.TimeoutExpired:
             p.kill()
-            _, err = p.communicate(timeout=5)
+            p.wait(timeout=5)
             self.notes.append(f"py-spy did not stop in {PYSPY_STOP_TIMEOUT_S:.0f} s; native stacks dropped")
             return None
         try:
@@ -242,6 +266,8 @@ class Sidecar:
 
                 shutil.move(folded, dst)
                 out["files"]["native"] = NATIVE_FILE
+                out["native_stacks"] = {"from_unix_ns": self.pyspy_started_ns, "to_unix_ns": time.time_ns(),
+                                        "rate_hz": int(self.cfg.get("pyspy_rate") or PYSPY_DEFAULT_RATE)}
             except OSError as exc:
                 self.notes.append(f"native stacks: {exc}")
         out["notes"] = list(self.notes)
