@@ -131,7 +131,7 @@ def native_analysis(rt: RankTrace, lo: int | None = None, hi: int | None = None)
     if len(sc):
         if lo is not None and hi is not None:
             sc = sc.take((sc["ts"] + sc["dur"] >= lo) & (sc["ts"] <= hi))
-        _syscalls(rt, sc, out)
+        _syscalls(rt, sc, out, lo, hi)
     return out
 
 
@@ -265,11 +265,14 @@ def _collectives(rt: RankTrace, calls, out: NativeAnalysis) -> None:
     out.collectives_by_comm = sorted(by.values(), key=lambda e: -e["gpu_us"] - e["host_us"])
 
 
-def _syscalls(rt: RankTrace, sc, out: NativeAnalysis) -> None:
+def _syscalls(rt: RankTrace, sc, out: NativeAnalysis, lo: int | None, hi: int | None) -> None:
     from aiprof.analysis.hotspots import gpu_busy, has_gpu
 
     busy = gpu_busy(rt) if has_gpu(rt) else None
     st, en = sc["ts"], sc["ts"] + sc["dur"]
+    if lo is not None and hi is not None:  # a wait that began before the window counts from its start
+        st, en = np.clip(st, lo, hi), np.clip(en, lo, hi)
+    dur = en - st
     if busy is not None and len(busy.start):
         idle = (en - st) - busy.covered(st, en)
     else:
@@ -279,7 +282,7 @@ def _syscalls(rt: RankTrace, sc, out: NativeAnalysis) -> None:
     for n in np.unique(names):
         m = names == n
         p = paths[m]
-        d = sc["dur"][m]
+        d = dur[m]
         top = ""
         if any(p):
             by_path: dict[str, int] = {}
@@ -293,9 +296,9 @@ def _syscalls(rt: RankTrace, sc, out: NativeAnalysis) -> None:
     for t in np.unique(sc["tid"]):
         m = sc["tid"] == t
         per: dict[str, float] = {}
-        for n, d in zip(names[m].tolist(), sc["dur"][m].tolist()):
+        for n, d in zip(names[m].tolist(), dur[m].tolist()):
             per[n] = per.get(n, 0.0) + d / 1e3
-        out.syscall_threads.append({"tid": int(t), "thread": str(thr[m][0]), "blocked_us": float(sc["dur"][m].sum()) / 1e3,
+        out.syscall_threads.append({"tid": int(t), "thread": str(thr[m][0]), "blocked_us": float(dur[m].sum()) / 1e3,
                                     "by_syscall_us": dict(sorted(per.items(), key=lambda kv: -kv[1])[:6])})
     out.syscall_threads.sort(key=lambda e: -e["blocked_us"])
 
