@@ -62,6 +62,7 @@ class Collective:
     gpu_us: float | None  # the kernel's duration
     kernel: str
     kernel_bytes: int | None  # the kernel's message size from the trace (in_nelems × dtype)
+    op_bytes: int | None  # the message size torch recorded for the op that issued it (record_param_comms)
     group: bool  # issued inside ncclGroupStart/End
     join: str  # launch | group | order | none
     issuer: str  # the innermost torch op / Python frame around the call on its thread
@@ -224,12 +225,23 @@ def _collectives(rt: RankTrace, calls, out: NativeAnalysis) -> None:
             kr = int(kern_rows[j])
             kname, gpu_us = str(knames[kr]), float(k["dur"][kr]) / 1e3
             kbytes = size_of_corr.get(int(k["corr"][kr]))
+        op_bytes = None
+        if len(gcoll):  # the torch collective record (CPU side) open around the call on its thread
+            cpu = (gcoll.strings("side").values() == "cpu") & (gcoll["tid"] == tid[i]) & (gcoll["ts"] <= ts[i]) \
+                & (gcoll["ts"] + gcoll["dur"] >= ts[i])
+            ci = np.nonzero(cpu)[0]
+            if len(ci):
+                c0 = ci[np.argmax(gcoll["ts"][ci])]
+                eb = _DTYPE_BYTES.get(str(gcoll.strings("dtype").values()[c0]).lower())
+                n0 = int(gcoll["in_nelems"][c0])
+                op_bytes = n0 * eb if eb and n0 >= 0 else None
         joined.append(Collective(
             ts_us=float(ts[i]) / 1e3, symbol=str(names[i]), coll=NCCL_COLLECTIVES[str(names[i])],
             count=int(a.get("count", -1)) if isinstance(a.get("count"), int) else -1,
             bytes=int(a.get("bytes", -1)) if isinstance(a.get("bytes"), int) else -1,
             datatype=str(a.get("datatype", "")), comm=str(a.get("comm", "")), stream=str(a.get("stream", "")),
-            host_us=float(dur[i]) / 1e3, gpu_us=gpu_us, kernel=kname, kernel_bytes=kbytes, group=g >= 0,
+            host_us=float(dur[i]) / 1e3, gpu_us=gpu_us, kernel=kname, kernel_bytes=kbytes, op_bytes=op_bytes,
+            group=g >= 0,
             join=how, issuer=_issuer(rt, int(tid[i]), int(ts[i]))))
     # no launch records (a trace without CUDA runtime events): pair in order, per collective kind
     if len(kern_rows) and not any(c.join in ("launch", "group") for c in joined):
@@ -251,7 +263,9 @@ def _collectives(rt: RankTrace, calls, out: NativeAnalysis) -> None:
     out.collectives_total = len(joined)
     out.collectives = joined[:TOP_CALLS]
     comp = [c for c in joined if c.kernel_bytes is not None and c.bytes >= 0]
+    opc = [c for c in joined if c.op_bytes is not None and c.bytes >= 0]
     out.sizes_match = {"compared": len(comp), "equal": sum(1 for c in comp if c.kernel_bytes == c.bytes),
+                       "op_compared": len(opc), "op_equal": sum(1 for c in opc if c.op_bytes == c.bytes),
                        "joined": sum(1 for c in joined if c.join != "none"), "calls": len(joined)}
     by: dict[tuple[str, str], dict] = {}
     for c in joined:

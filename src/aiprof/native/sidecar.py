@@ -87,6 +87,7 @@ class Sidecar:
                     self.engine = ProbeEngine(self.pid, self.spec)
                     self.engine.start()
                     ready["attach_s"] = round(time.perf_counter() - t0, 3)
+                    ready["hooked_unix_ns"] = time.time_ns()
                     ready["hooked"] = sorted(self.engine.hooked)
                     ready["missing"] = sorted(self.engine.missing)
                 except EngineError as exc:
