@@ -118,6 +118,8 @@ class CaptureDriver:
         self.export_thread: threading.Thread | None = None
         self.prof_thread: int | None = None  # the thread that prepared or started self.prof
         self.native: Any = None  # agent.native.NativeSidecar when the request asks for native data
+        self.native_cfg: dict | None = None  # what the sidecar must do, until it is launched
+        self.native_launched_at: float | None = None
         self.native_recording = False
 
     # -- control side (agent threads) ---------------------------------------------------------
@@ -132,36 +134,52 @@ class CaptureDriver:
             self.armed_at = time.perf_counter()
             self.armed_count = self.agent.tracker.count
             self.state = ARMED
-        self._launch_native(req)
+        self.native_cfg = req.native_config()
         return None
 
-    def _launch_native(self, req: CaptureRequest) -> None:
-        """Start (or reuse) the native sidecar; it gets ready while the capture is armed."""
-        cfg = req.native_config()
-        if cfg is None:
-            return
-        try:
-            from aiprof.agent.native import sidecar_for
+    def _maybe_launch_native(self) -> None:
+        """Start (or reuse) the native sidecar once the job is in steady state: after a step has
+        ended since the request, or NATIVE_NO_STEPS_S without steps. Frida attaching while the
+        job still loads libraries (right after ``import torch``) was seen to deadlock it."""
+        from aiprof.agent.native import NATIVE_NO_STEPS_S, sidecar_for
 
-            self.native = sidecar_for(cfg)
-            if self.native.error:
-                self.errors.append(self.native.error)
-                self.native = None
+        cfg = self.native_cfg
+        if cfg is None or self.native_launched_at is not None:
+            return
+        steady = self.agent.tracker.count > 0
+        if not steady and time.perf_counter() - self.armed_at < NATIVE_NO_STEPS_S:
+            return
+        self.native_launched_at = time.perf_counter()
+        try:
+            nat = sidecar_for(cfg)
+            if nat.error:
+                self.errors.append(nat.error)
+                self.native_cfg = None
+                return
+            self.native = nat
         except Exception as exc:
             self.errors.append(f"native sidecar: {type(exc).__name__}: {exc}")
-            self.native = None
+            self.native_cfg = None
 
     def _native_pending(self) -> bool:
-        """True while the sidecar is still setting its hooks (the start waits for it, bounded)."""
-        nat = self.native
-        if nat is None or nat.poll_ready():
+        """True while the sidecar is not launched or still setting its hooks: the capture's start
+        waits for it, bounded (then it records without native data and says so)."""
+        if self.native_cfg is None:
             return False
-        from aiprof.agent.native import READY_TIMEOUT_S
+        from aiprof.agent.native import NATIVE_NO_STEPS_S, READY_TIMEOUT_S
 
-        if time.perf_counter() - self.armed_at < READY_TIMEOUT_S and nat.error is None:
+        nat = self.native
+        if nat is not None and nat.poll_ready():
+            return False
+        since = self.native_launched_at if self.native_launched_at is not None else self.armed_at
+        limit = READY_TIMEOUT_S if self.native_launched_at is not None else NATIVE_NO_STEPS_S + READY_TIMEOUT_S
+        if time.perf_counter() - since < limit and (nat is None or nat.error is None):
             return True
-        self.errors.append(nat.error or f"native sidecar not ready in {READY_TIMEOUT_S:.0f} s: recorded without it")
-        self.native = None
+        why = (nat.error if nat is not None else None) or f"native sidecar not ready in {limit:.0f} s"
+        self.errors.append(f"{why}: recorded without native data")
+        if nat is not None:
+            nat.close(kill=True)  # a sidecar stuck in its attach lets go of the job
+        self.native, self.native_cfg = None, None
         return False
 
     def add_callback(self, cb: DoneCallback) -> None:
@@ -188,7 +206,9 @@ class CaptureDriver:
                 self._fail("the main thread ran no Python code for 10 s, so a time-based capture could not start")
                 return
             log.warn_once("stop-wait", "waiting for the main thread to run Python code to stop the profiler")
-        if st == ARMED and self.native is not None and self._native_pending():
+        if st == ARMED:
+            self._maybe_launch_native()
+        if st == ARMED and self._native_pending():
             return  # a time-based start waits for the sidecar too
         if st == ARMED and self.pending_main is None and req.wait_ms is not None:
             tracker = self.agent.tracker
@@ -282,7 +302,7 @@ class CaptureDriver:
                 if req.warmup and k == self.start_at - 1 and not self.prepared:
                     self._prepare()
                 return
-            if self.native is not None and self._native_pending():
+            if self.native_cfg is not None and self._native_pending():
                 return  # hooks not in yet: a later iteration starts the capture
             self._start(k, "iterations" if req.iterations is not None else "duration")
             if self.state is not RECORDING:

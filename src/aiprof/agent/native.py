@@ -19,6 +19,7 @@ from typing import Any
 from aiprof.agent import log
 
 READY_TIMEOUT_S = 30.0  # Frida's attach and the first hook pass take 1-5 s on a loaded host
+NATIVE_NO_STEPS_S = 2.0  # a job with no steps gets its sidecar this long after the request
 FINISH_TIMEOUT_S = 60.0  # writing calls.csv for a million calls, and py-spy's own flush
 PR_SET_PTRACER = 0x59616D61
 
@@ -151,12 +152,14 @@ class NativeSidecar:
         msg.pop("event", None)
         return msg
 
-    def close(self) -> None:
-        """Let the sidecar go (it unhooks and detaches when its stdin closes)."""
+    def close(self, kill: bool = False) -> None:
+        """Let the sidecar go (it unhooks and detaches when its stdin closes); ``kill``: at once."""
         p, self.proc = self.proc, None
         if p is None:
             return
         try:
+            if kill:
+                p.kill()
             if p.stdin:
                 p.stdin.close()
             p.wait(timeout=10)

@@ -250,6 +250,8 @@ class Sidecar:
                             **(self.engine.stats() if self.engine else {})}
             if n:
                 out["files"]["calls"] = CALLS_FILE
+            else:  # no file rather than a header alone: meta.json says why (hooked, notes)
+                os.unlink(os.path.join(d, CALLS_FILE))
         if self.sampler is not None:
             s, self.sampler = self.sampler, None
             eps = s.stop()
@@ -259,6 +261,8 @@ class Sidecar:
                                "truncated": s.truncated}
             if n:
                 out["files"]["syscalls"] = SYSCALLS_FILE
+            else:
+                os.unlink(os.path.join(d, SYSCALLS_FILE))
         folded = self._stop_pyspy()
         if folded:
             dst = os.path.join(d, NATIVE_FILE)
