@@ -31,40 +31,60 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.skipif(not frida_status()[0], reason="Frida missing")
-def test_run_records_calls_and_syscalls_on_the_trace_clock(native_bin, rt, tmp_path):
-    out = tmp_path / "out"
-    r = aiprof(rt, "run", "--skip", str(SKIP), "--iterations", str(ITERS), "--what", "kernels,python,syscalls",
-               "--probe-file", str(_probe_file(tmp_path)), "--out", str(out), "--capture-id", "c",
-               "--", PY, str(SCRIPTS / "native_job.py"), str(native_bin["lib"]), str(STEPS), timeout=240)
-    assert r.returncode == 0, r.stderr
-    (d,) = rank_dirs(out, "c")
+@pytest.fixture(scope="module")
+def captured(native_bin, tmp_path_factory):
+    """One `aiprof run` of the job with the probe file, syscalls and native stacks; then analysed.
+    Returns (capture dir, rank dir, report)."""
+    if not frida_status()[0]:
+        pytest.skip("Frida missing")
+    import shutil
+    import tempfile
+
+    tmp = tmp_path_factory.mktemp("cap")
+    rt = tempfile.mkdtemp(prefix="aip-rt-")
+    try:
+        out = tmp / "out"
+        r = aiprof(rt, "run", "--skip", str(SKIP), "--iterations", str(ITERS), "--what",
+                   "kernels,python,syscalls,native", "--probe-file", str(_probe_file(tmp)), "--out", str(out),
+                   "--capture-id", "c", "--", PY, str(SCRIPTS / "native_job.py"), str(native_bin["lib"]), str(STEPS),
+                   timeout=300)
+        assert r.returncode == 0, r.stderr
+        (d,) = rank_dirs(out, "c")
+        r = aiprof(rt, "analyze", str(out / "c"), "--out", str(tmp / "rep"), timeout=240)
+        assert r.returncode == 0, r.stderr
+        yield out / "c", d, json.loads((tmp / "rep" / "report.json").read_text())
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_run_records_calls_on_the_trace_clock(captured):
+    _, d, _ = captured
     meta = load_meta(d)
-    assert meta["native"]["files"] == {"calls": "calls.csv", "syscalls": "syscalls.csv"}, meta["native"]
+    assert meta["native"]["files"] == {"calls": "calls.csv", "syscalls": "syscalls.csv", "native": "native.folded"}, \
+        meta["native"]
     assert meta["native"]["calls"]["hooked"] == ["nat:nat_add"]
     calls = _rows(d / "calls.csv")
     # every call of the recorded steps, none of the others: 5 per step, step numbers from the args
     steps = sorted({json.loads(c["args"])["step"] for c in calls})
     assert steps == list(range(steps[0], steps[0] + ITERS)) and len(calls) == 5 * ITERS
-    assert all(c["symbol"] == "nat_add" and c["lib"] == "nat" for c in calls)
+    assert all(c["symbol"] == "nat_add" and c["lib"] == "nat" and int(c["tid"]) == meta["pid"] for c in calls)
     # on the trace clock: each call inside the ProfilerStep of its own iteration
     trace = load_trace(d)
     spans = {int(e["name"].split("#")[1]): (e["ts"], e["ts"] + e["dur"]) for e in trace["traceEvents"]
              if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("ProfilerStep#")}
     ks = sorted(spans)
+    assert len(ks) == ITERS
     for c in calls:
-        k = ks[json.loads(c["args"])["step"] - steps[0]]
-        lo, hi = spans[k]
-        assert lo <= float(c["ts_us"]) <= hi, (c, k, spans[k])
-    # the training thread waits in read() on the pipe
+        lo, hi = spans[ks[json.loads(c["args"])["step"] - steps[0]]]
+        assert lo <= float(c["ts_us"]) <= hi, (c, spans)
+
+
+def test_syscalls_name_the_read_and_the_cause_uses_them(captured):
+    _, d, report = captured
+    meta = load_meta(d)
     sc = _rows(d / "syscalls.csv")
     main = [s for s in sc if int(s["tid"]) == meta["pid"] and s["syscall"] == "read"]
     assert main and all(s["path"].startswith("pipe:") and s["class"] == "io" for s in main)
-    # the analysis: the report's native section and the cause
-    rep = tmp_path / "rep"
-    r = aiprof(rt, "analyze", str(out / "c"), "--out", str(rep), timeout=240)
-    assert r.returncode == 0, r.stderr
-    report = json.loads((rep / "report.json").read_text())
     nat = report["ranks"][0]["native"]
     assert nat["symbols"][0]["name"] == "nat_add" and nat["symbols"][0]["calls"] == 5 * ITERS
     assert any(s["name"] == "read" and s["cls"] == "io" for s in nat["syscalls"])
@@ -72,7 +92,43 @@ def test_run_records_calls_and_syscalls_on_the_trace_clock(native_bin, rt, tmp_p
     assert "SYSCALL_BLOCKED" in codes, codes
     cause = next(c for c in report["causes"] if c["code"] == "SYSCALL_BLOCKED")
     assert "read()" in cause["title"] and "pipe:" in cause["title"]
-    assert cause["evidence"]["class"] == "io"
+    assert cause["evidence"]["class"] == "io" and cause["place"]["site"].endswith("load_batch")
+
+
+def test_perfetto_has_a_track_per_library_and_per_thread_of_syscalls(captured, tmp_path):
+    p2 = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
+    cap, d, _ = captured
+    meta = load_meta(d)
+    out = tmp_path / "t.pftrace"
+    r = subprocess.run([PY, "-m", "aiprof", "export", str(cap), "--format", "perfetto", "--no-findings", "-o", str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    trace = p2.Trace.FromString(out.read_bytes())
+    tracks = {pk.track_descriptor.uuid: pk.track_descriptor.name for pk in trace.packet if pk.HasField("track_descriptor")}
+    names = {}
+    for pk in trace.packet:
+        if pk.HasField("interned_data"):
+            names.update({e.iid: e.name for e in pk.interned_data.event_names})
+    per_track: dict[str, list[str]] = {}
+    for pk in trace.packet:
+        if pk.HasField("track_event") and pk.track_event.type == p2.TrackEvent.TYPE_SLICE_BEGIN:
+            per_track.setdefault(tracks[pk.track_event.track_uuid], []).append(names[pk.track_event.name_iid])
+    lib_track = f"nat calls · tid {meta['pid']}"
+    assert per_track.get(lib_track) == ["nat_add"] * (5 * ITERS)
+    sys_tracks = [t for t in per_track if t.startswith("syscalls") and t.endswith(f"tid {meta['pid']}")]
+    assert len(sys_tracks) == 1 and any(n.startswith("read pipe:") for n in per_track[sys_tracks[0]])
+
+
+def test_flame_native_merges_python_and_native_frames(captured, tmp_path):
+    cap, _, _ = captured
+    out = tmp_path / "n.folded"
+    r = subprocess.run([PY, "-m", "aiprof", "flame", str(cap), "--what", "native", "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    stacks = [ln.rsplit(" ", 1)[0] for ln in out.read_text().splitlines() if ln.strip()]
+    assert stacks
+    # a stack with a Python frame of the job and a native frame (a shared library) in it
+    assert any("native_job.py" in s and ".so" in s for s in stacks), stacks[:5]
 
 
 def test_frida_missing_is_a_note_not_a_crash(native_bin, rt, tmp_path):
