@@ -19,9 +19,13 @@ grep -l nccl /proc/$JOB/maps >/dev/null && grep -o '/[^ ]*libnccl[^ ]*' /proc/$J
 echo "attach_unix_ns $(date +%s%N)" > $OUT/times.txt
 timeout 150 python3 -m aiprof attach $JOB --probe-file default --skip 30 --iterations 5 --what kernels --out /tmp/cap --capture-id gpu --timeout 120 > $OUT/attach.log 2>&1
 echo "attach_done_unix_ns $(date +%s%N)" >> $OUT/times.txt
+sleep 20  # steps with the probes in and no profiler: the overhead figure (steps.log)
+echo "trigger_unix_ns $(date +%s%N)" >> $OUT/times.txt
+timeout 100 python3 -m aiprof trigger --pid $JOB --probe-file default --skip 5 --iterations 3 --what kernels,syscalls --out /tmp/cap --capture-id gpusys --timeout 80 >> $OUT/attach.log 2>&1
+echo "trigger_done_unix_ns $(date +%s%N)" >> $OUT/times.txt
 wait $JOB
 tail -3 $W/job.log
 cp $W/steps.log $OUT/steps.log
-ls -la /tmp/cap/gpu/rank0
-tar -C /tmp/cap/gpu -czf $OUT/capture.tgz rank0
+ls -la /tmp/cap/*/rank0
+tar -C /tmp/cap -czf $OUT/capture.tgz .
 ls -la $OUT

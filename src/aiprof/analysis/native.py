@@ -31,6 +31,9 @@ _DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2
                 "int": 4, "int32": 4, "long": 8, "int64": 8, "byte": 1, "char": 1, "int8": 1, "uint8": 1,
                 "bool": 1, "short": 2, "int16": 2}
 TOP_CALLS = 200  # collectives listed one by one in the report (the summary covers all)
+# torch records a collective (record_param_comms) right before it calls NCCL on the same thread;
+# a record further back than this belongs to an earlier collective
+ISSUE_WINDOW_NS = 2_000_000
 
 
 @dataclass
@@ -104,12 +107,15 @@ def _args(row: str) -> dict:
 
 
 def _issuer(rt: RankTrace, tid: int, ts: int) -> str:
-    """The innermost torch op (else Python frame) open on ``tid`` at ``ts``."""
+    """The innermost torch op (else Python frame) open on ``tid`` at ``ts`` (torch's own
+    ``record_param_comms`` bookkeeping op skipped)."""
     for name in ("ops", "python"):
         t = rt.table(name)
         if not len(t) or "tid" not in t:
             continue
         m = (t["tid"] == tid) & (t["ts"] <= ts) & (t["ts"] + t["dur"] >= ts)
+        if name == "ops":
+            m &= t.strings("name").values() != "record_param_comms"
         idx = np.nonzero(m)[0]
         if len(idx):
             best = idx[np.argmax(t["ts"][idx])]  # the latest start: the innermost
@@ -226,9 +232,9 @@ def _collectives(rt: RankTrace, calls, out: NativeAnalysis) -> None:
             kname, gpu_us = str(knames[kr]), float(k["dur"][kr]) / 1e3
             kbytes = size_of_corr.get(int(k["corr"][kr]))
         op_bytes = None
-        if len(gcoll):  # the torch collective record (CPU side) open around the call on its thread
+        if len(gcoll):  # torch's record of the collective (record_param_comms) just before the call
             cpu = (gcoll.strings("side").values() == "cpu") & (gcoll["tid"] == tid[i]) & (gcoll["ts"] <= ts[i]) \
-                & (gcoll["ts"] + gcoll["dur"] >= ts[i])
+                & (gcoll["ts"] >= ts[i] - ISSUE_WINDOW_NS)
             ci = np.nonzero(cpu)[0]
             if len(ci):
                 c0 = ci[np.argmax(gcoll["ts"][ci])]

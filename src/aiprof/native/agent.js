@@ -125,12 +125,23 @@ function lookup(m, name) {
   return p;
 }
 
-function scan() {
+// Frida 17 tells us when a library is loaded; without that every scan enumerates (Frida 16.7 has
+// the call, but it was seen not to report a dlopen here)
+let dirty = true;
+const observed = parseInt(Frida.version.split('.')[0], 10) >= 17 && typeof Process.attachModuleObserver === 'function';
+if (observed) Process.attachModuleObserver({ onAdded: function () { dirty = true; } });
+
+function scan(force) {
   const events = [];
+  if (observed && !dirty && !force) return events;
+  dirty = false;
+  // (Frida 16.7's module list was seen to miss a library dlopen'ed after the attach, and its
+  // Module.load of such a library to kill the process: with Frida 16 only libraries loaded
+  // before the attach are hooked; docs/capture.md)
   for (const m of Process.enumerateModules()) {
     if (seenModules[m.path]) continue;
     seenModules[m.path] = true;
-    libs.forEach((lib, li) => {
+    libs.forEach(lib => {
       if (!lib.re.test(m.name)) return;
       lib.symbols.forEach(s => {
         const key = lib.name + ':' + s.name;
@@ -154,7 +165,8 @@ function scan() {
 }
 
 rpc.exports = {
-  scan: function () { return scan(); },
+  scan: function (force) { return scan(!!force); },
+  observed: function () { return observed; },
   drain: function () {
     const n = Number(drainFn(out, DRAIN_MAX));
     return n === 0 ? null : out.readByteArray(n * REC);

@@ -58,6 +58,7 @@ class ProbeEngine:
         self._session: Any = None
         self._script: Any = None
         self._detached: str | None = None
+        self.observed = False  # Frida reports loaded libraries (17+): a scan costs nothing until one is
 
     def start(self) -> list[dict[str, Any]]:
         """Attach, load the script and hook what is loaded now; returns the scan's events."""
@@ -75,7 +76,11 @@ class ProbeEngine:
         except Exception as exc:
             self.close()
             raise EngineError(f"cannot attach Frida to pid {self.pid}: {type(exc).__name__}: {exc}") from None
-        return self.scan()
+        try:
+            self.observed = bool(self._script.exports_sync.observed())
+        except Exception:
+            self.observed = False
+        return self.scan(force=True)
 
     def _on_detached(self, reason: Any, *rest: Any) -> None:
         self._detached = str(reason)
@@ -89,11 +94,13 @@ class ProbeEngine:
         """False once the process exited or Frida's session ended."""
         return self._script is not None and self._detached is None
 
-    def scan(self) -> list[dict[str, Any]]:
-        """Hook the probe symbols of modules loaded since the last scan."""
+    def scan(self, force: bool = False) -> list[dict[str, Any]]:
+        """Hook the probe symbols of modules loaded since the last scan. Where Frida reports
+        loaded libraries (its module observer, reported asynchronously) a scan enumerates the
+        modules only after such a report, unless ``force``."""
         if not self.alive:
             return []
-        events = self._script.exports_sync.scan()
+        events = self._script.exports_sync.scan(force)
         for e in events:
             key = f"{e['lib']}:{e['symbol']}"
             if e["event"] == "hooked":

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 DRAIN_INTERVAL_S = 0.05  # the ring holds 65k calls: drained 20x/s it never laps below 1.3M calls/s
-RESCAN_INTERVAL_S = 1.0  # modules loaded later (libnccl on first use) are hooked within a second
+RESCAN_INTERVAL_S = 1.0  # with Frida's module observer (17+): a library loaded later is hooked within 1 s
+RESCAN_POLL_INTERVAL_S = 5.0  # without it (Frida 16) each scan enumerates every module in the job
 MAX_CALLS_PER_S = 20_000  # at ~0.5 µs a call this costs ~1% of a thread: a symbol hotter is unhooked
 RATE_WINDOW_S = 1.0  # the rate above is measured over this window
 MAX_KEPT_RECORDS = 1_000_000  # 104 MB: a capture window keeps at most this many calls
@@ -151,7 +152,7 @@ class Sidecar:
                 eng.scan()
             except Exception as exc:
                 self.notes.append(f"module scan: {type(exc).__name__}: {exc}")
-            self.next_scan = now + RESCAN_INTERVAL_S
+            self.next_scan = now + (RESCAN_INTERVAL_S if eng.observed else RESCAN_POLL_INTERVAL_S)
 
     def start(self, since_ns: int) -> None:
         """A capture starts recording at ``since_ns`` (unix): keep probe records from then on,
