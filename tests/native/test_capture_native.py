@@ -119,6 +119,22 @@ def test_perfetto_has_a_track_per_library_and_per_thread_of_syscalls(captured, t
     assert len(sys_tracks) == 1 and any(n.startswith("read pipe:") for n in per_track[sys_tracks[0]])
 
 
+def test_web_timeline_has_native_lanes_with_details(captured):
+    from aiprof.analysis.timeline import build_index, event_detail, lanes_info
+    from aiprof.trace.store import open_capture
+
+    cap, d, _ = captured
+    pid = load_meta(d)["pid"]
+    rt = open_capture([str(cap)]).ranks[0]
+    tl = build_index(rt)
+    native = [ln for ln in lanes_info(tl) if ln["group"] == "native"]
+    calls = [ln for ln in native if ln["kind"] == "calls"]
+    assert [(ln["track"].split(" · ")[0], ln["events"]) for ln in calls] == [("nat calls", 5 * ITERS)]
+    assert any(ln["kind"] == "syscalls" and ln["thread"] == pid for ln in native)
+    det = event_detail(rt, tl, "calls", 0)
+    assert det["args"]["name"] == "nat_add" and det["ref"]["lane"] == calls[0]["id"]
+
+
 def test_flame_native_merges_python_and_native_frames(captured, tmp_path):
     cap, _, _ = captured
     out = tmp_path / "n.folded"
