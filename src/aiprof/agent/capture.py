@@ -138,28 +138,46 @@ class CaptureDriver:
         return None
 
     def _maybe_launch_native(self) -> None:
-        """Start (or reuse) the native sidecar once the job is in steady state: after a step has
-        ended since the request, or NATIVE_NO_STEPS_S without steps. Frida attaching while the
-        job still loads libraries (right after ``import torch``) was seen to deadlock it."""
-        from aiprof.agent.native import NATIVE_NO_STEPS_S, sidecar_for
+        """Start (or reuse) the native sidecar once the job is in steady state (after a step has
+        ended, or NATIVE_NO_STEPS_S without steps), from the main thread, which then waits for
+        the sidecar's hooks. Frida's injector takes over the main thread for a moment; taken
+        while that thread was inside libc (malloc), it deadlocked the job here (seen twice, right
+        after ``import torch`` and in a steady loop). Parked in a wait, it holds no libc lock."""
+        from aiprof.agent.mainthread import call_soon_in_main_thread
+        from aiprof.agent.native import NATIVE_NO_STEPS_S
 
-        cfg = self.native_cfg
-        if cfg is None or self.native_launched_at is not None:
+        if self.native_cfg is None or self.native_launched_at is not None:
             return
         steady = self.agent.tracker.count > 0
         if not steady and time.perf_counter() - self.armed_at < NATIVE_NO_STEPS_S:
             return
         self.native_launched_at = time.perf_counter()
+        if not call_soon_in_main_thread(self._native_launch_main):
+            self.errors.append("native sidecar: the interpreter refused a main-thread call")
+            self.native_cfg = None
+
+    def _native_launch_main(self) -> None:
+        """On the main thread: launch the sidecar and wait (bounded) until its hooks are in."""
+        from aiprof.agent.native import READY_TIMEOUT_S, sidecar_for
+
+        cfg = self.native_cfg
+        if cfg is None or self.state is not ARMED:
+            return
+        self.holding_since = time.perf_counter()  # the auto-trigger must not take this wait for a stall
         try:
             nat = sidecar_for(cfg)
             if nat.error:
                 self.errors.append(nat.error)
                 self.native_cfg = None
                 return
-            self.native = nat
+            self.native = nat  # visible to _native_pending, which gives up on it after READY_TIMEOUT_S
+            nat.wait_ready(READY_TIMEOUT_S)  # a futex wait, GIL released: Frida attaches meanwhile
         except Exception as exc:
             self.errors.append(f"native sidecar: {type(exc).__name__}: {exc}")
             self.native_cfg = None
+        finally:
+            self.held_until = time.perf_counter()
+            self.holding_since = None
 
     def _native_pending(self) -> bool:
         """True while the sidecar is not launched or still setting its hooks: the capture's start
@@ -172,7 +190,9 @@ class CaptureDriver:
         if nat is not None and nat.poll_ready():
             return False
         since = self.native_launched_at if self.native_launched_at is not None else self.armed_at
-        limit = READY_TIMEOUT_S if self.native_launched_at is not None else NATIVE_NO_STEPS_S + READY_TIMEOUT_S
+        # launched: the main thread runs the launch at its next Python instruction (START_TIMEOUT_S)
+        limit = (START_TIMEOUT_S + READY_TIMEOUT_S if self.native_launched_at is not None
+                 else NATIVE_NO_STEPS_S + START_TIMEOUT_S + READY_TIMEOUT_S)
         if time.perf_counter() - since < limit and (nat is None or nat.error is None):
             return True
         why = (nat.error if nat is not None else None) or f"native sidecar not ready in {limit:.0f} s"
