@@ -119,6 +119,10 @@ class CaptureDriver:
         self.errors: list[str] = []
         self.export_thread: threading.Thread | None = None
         self.prof_thread: int | None = None  # the thread that prepared or started self.prof
+        self.native: Any = None  # agent.native.NativeSidecar when the request asks for native data
+        self.native_cfg: dict | None = None  # what the sidecar must do, until it is launched
+        self.native_launched_at: float | None = None
+        self.native_recording = False
 
     # -- control side (agent threads) ---------------------------------------------------------
     def submit(self, req: CaptureRequest, on_done: DoneCallback | None = None) -> str | None:
@@ -132,7 +136,73 @@ class CaptureDriver:
             self.armed_at = time.perf_counter()
             self.armed_count = self.agent.tracker.count
             self.state = ARMED
+        self.native_cfg = req.native_config()
         return None
+
+    def _maybe_launch_native(self) -> None:
+        """Start (or reuse) the native sidecar once the job is in steady state (after a step has
+        ended, or NATIVE_NO_STEPS_S without steps), from the main thread, which then waits for
+        the sidecar's hooks. Frida's injector takes over the main thread for a moment; taken
+        while that thread was inside libc (malloc), it deadlocked the job here (seen twice, right
+        after ``import torch`` and in a steady loop). Parked in a wait, it holds no libc lock."""
+        from aiprof.agent.mainthread import call_soon_in_main_thread
+        from aiprof.agent.native import NATIVE_NO_STEPS_S
+
+        if self.native_cfg is None or self.native_launched_at is not None:
+            return
+        steady = self.agent.tracker.count > 0
+        if not steady and time.perf_counter() - self.armed_at < NATIVE_NO_STEPS_S:
+            return
+        self.native_launched_at = time.perf_counter()
+        if not call_soon_in_main_thread(self._native_launch_main):
+            self.errors.append("native sidecar: the interpreter refused a main-thread call")
+            self.native_cfg = None
+
+    def _native_launch_main(self) -> None:
+        """On the main thread: launch the sidecar and wait (bounded) until its hooks are in."""
+        from aiprof.agent.native import READY_TIMEOUT_S, sidecar_for
+
+        cfg = self.native_cfg
+        if cfg is None or self.state is not ARMED:
+            return
+        self.holding_since = time.perf_counter()  # the auto-trigger must not take this wait for a stall
+        try:
+            nat = sidecar_for(cfg)
+            if nat.error:
+                self.errors.append(nat.error)
+                self.native_cfg = None
+                return
+            self.native = nat  # visible to _native_pending, which gives up on it after READY_TIMEOUT_S
+            nat.wait_ready(READY_TIMEOUT_S)  # a futex wait, GIL released: Frida attaches meanwhile
+        except Exception as exc:
+            self.errors.append(f"native sidecar: {type(exc).__name__}: {exc}")
+            self.native_cfg = None
+        finally:
+            self.held_until = time.perf_counter()
+            self.holding_since = None
+
+    def _native_pending(self) -> bool:
+        """True while the sidecar is not launched or still setting its hooks: the capture's start
+        waits for it, bounded (then it records without native data and says so)."""
+        if self.native_cfg is None:
+            return False
+        from aiprof.agent.native import NATIVE_NO_STEPS_S, READY_TIMEOUT_S
+
+        nat = self.native
+        if nat is not None and nat.poll_ready():
+            return False
+        since = self.native_launched_at if self.native_launched_at is not None else self.armed_at
+        # launched: the main thread runs the launch at its next Python instruction (START_TIMEOUT_S)
+        limit = (START_TIMEOUT_S + READY_TIMEOUT_S if self.native_launched_at is not None
+                 else NATIVE_NO_STEPS_S + START_TIMEOUT_S + READY_TIMEOUT_S)
+        if time.perf_counter() - since < limit and (nat is None or nat.error is None):
+            return True
+        why = (nat.error if nat is not None else None) or f"native sidecar not ready in {limit:.0f} s"
+        self.errors.append(f"{why}: recorded without native data")
+        if nat is not None:
+            nat.close(kill=True)  # a sidecar stuck in its attach lets go of the job
+        self.native, self.native_cfg = None, None
+        return False
 
     def add_callback(self, cb: DoneCallback) -> None:
         with self._lock:
@@ -160,6 +230,10 @@ class CaptureDriver:
                 self._fail("the main thread ran no Python code for 10 s, so a time-based capture could not start")
                 return
             log.warn_once("stop-wait", "waiting for the main thread to run Python code to stop the profiler")
+        if st == ARMED:
+            self._maybe_launch_native()
+        if st == ARMED and self._native_pending():
+            return  # a time-based start waits for the sidecar too
         if st == ARMED and self.pending_main is None and req.wait_ms is not None:
             tracker = self.agent.tracker
             med = tracker.median_ms() or 0.0
@@ -277,6 +351,8 @@ class CaptureDriver:
                 if req.warmup and k == self.start_at - 1 and not self.prepared:
                     self._prepare()
                 return
+            if self.native_cfg is not None and self._native_pending():
+                return  # hooks not in yet: a later iteration starts the capture
             self._start(k, "iterations" if req.iterations is not None else "duration")
             if self.state is not RECORDING:
                 return
@@ -382,6 +458,8 @@ class CaptureDriver:
                 if self.prof is None:
                     self.prof = self._make_profiler()
                     self.prof.prepare_trace()
+                if self.native is not None:  # one pipe write; the sidecar keeps calls from now on
+                    self.native_recording = self.native.start_recording(time.time_ns())
                 self.prof.start_trace()
             self._profiler_ready()
             self.prof_thread = threading.get_ident()
@@ -497,7 +575,11 @@ class CaptureDriver:
                 elif self.pm_meta.get("ok"):
                     self.pm_meta["rows"] = 0
                 self.sampler = None
+            native = self._export_native(d)
             meta = self._meta(trace_bytes, hw_rows, hw_sources, hw_notes)
+            if native is not None:
+                meta["native"] = native
+                meta["files"].update({k: v for k, v in (native.get("files") or {}).items()})
             tmp = os.path.join(d, "meta.json.tmp")
             with open(tmp, "w") as f:
                 json.dump(meta, f, indent=1, default=str)
@@ -518,6 +600,23 @@ class CaptureDriver:
             self.state = IDLE
             self.captures_done += 1
         self._finish(result)
+
+    def _export_native(self, d: str) -> dict[str, Any] | None:
+        """The sidecar's files for this capture (calls.csv, syscalls.csv, native.folded), on the
+        trace clock; None when the request asked for nothing native."""
+        if self.req is None or self.req.native_config() is None:
+            return None
+        nat, recording = self.native, self.native_recording
+        self.native_recording = False
+        if nat is None or not recording:
+            return {"files": {}, "notes": [e for e in self.errors if "native" in e] or ["native sidecar not running"]}
+        window = [self.t_start_unix_ns, self.info.get("stopped_unix_ns") or time.time_ns()]
+        off = self.clock.get("trace_minus_unix_us")
+        if off is None:
+            return {"files": {}, "notes": ["no clock offset: native data not placed on the trace clock"]}
+        res = nat.finish(d, window, float(off))
+        res["ready"] = {k: v for k, v in (nat.ready or {}).items() if k != "event"}
+        return res
 
     def _clock_offset(self, ts: float | None) -> None:
         """Record trace_ts - unix_us in self.clock from the marker's ts in the trace."""
@@ -635,5 +734,7 @@ class CaptureDriver:
             t = self.export_thread
             if t is not None and t.is_alive():
                 t.join(EXPORT_WAIT_AT_EXIT_S)
+            if self.native is not None:
+                self.native.close()
         except Exception as exc:
             log.error("capture at exit", exc)

@@ -15,6 +15,9 @@ from typing import Any
 #: Richness levels a capture can ask for. ``kernels`` = CPU ops + CUDA activities (always on).
 WHAT_LEVELS = ("kernels", "python", "shapes", "memory", "flops", "hw")
 DEFAULT_WHAT = ("kernels", "hw")
+#: Levels recorded by the native sidecar (aiprof.native), not part of "all": ``syscalls`` samples
+#: /proc for blocked system calls, ``native`` runs py-spy --native, which pauses the job to unwind.
+NATIVE_LEVELS = ("syscalls", "native")
 
 # Hard limits: a request outside them is clamped, so a typo cannot record for an hour.
 MAX_ITERATIONS = 100
@@ -50,8 +53,9 @@ def parse_what(spec: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...
             return WHAT_LEVELS
         if name == "stack" or name == "stacks":
             name = "python"
-        if name not in WHAT_LEVELS:
-            raise RequestError(f"unknown --what level {raw!r}; choose from {', '.join(WHAT_LEVELS)} or all")
+        if name not in WHAT_LEVELS and name not in NATIVE_LEVELS:
+            raise RequestError(f"unknown --what level {raw!r}; choose from "
+                               f"{', '.join(WHAT_LEVELS + NATIVE_LEVELS)} or all")
         if name not in out:
             out.append(name)
     if "kernels" not in out:
@@ -88,6 +92,16 @@ class CaptureRequest:
     max_trace_mb: int = DEFAULT_MAX_TRACE_MB
     entry: str | None = None
     trigger: dict[str, Any] | None = None  # why the agent captured by itself (auto-trigger), else None
+    probes: dict[str, Any] | None = None  # a validated probe file (aiprof.native.probes.ProbeSpec.to_dict)
+    syscall_interval_ms: float = 2.0  # /proc sampling period for --what syscalls
+
+    def native_config(self) -> dict[str, Any] | None:
+        """What the native sidecar must do for this request, or None when nothing native is asked."""
+        want_sys, want_native = "syscalls" in self.what, "native" in self.what
+        if not (self.probes or want_sys or want_native):
+            return None
+        return {"probes": self.probes, "syscalls": want_sys, "native_stacks": want_native,
+                "syscall_interval_s": self.syscall_interval_ms / 1e3}
 
     def normalised(self) -> "CaptureRequest":
         """Validate and clamp every field; returns self. Raises RequestError on nonsense."""
@@ -111,6 +125,14 @@ class CaptureRequest:
         if pm_us != 0 and not MIN_HW_PM_INTERVAL_US <= pm_us <= MAX_HW_PM_INTERVAL_US:
             raise RequestError(f"--hw-pm-interval-us must be 0 (off) or {MIN_HW_PM_INTERVAL_US}..{MAX_HW_PM_INTERVAL_US}")
         self.hw_pm_interval_us = pm_us
+        self.syscall_interval_ms = max(0.5, min(float(self.syscall_interval_ms), 1000.0))
+        if self.probes is not None:
+            from aiprof.native.probes import ProbeError, ProbeSpec
+
+            try:
+                self.probes = ProbeSpec.from_dict(self.probes).to_dict()
+            except (ProbeError, AttributeError, TypeError) as exc:
+                raise RequestError(f"bad probes in the request: {exc}") from None
         self.max_trace_mb = max(1, int(self.max_trace_mb))
         if self.entry is not None and ":" not in self.entry:
             raise RequestError(f"--entry {self.entry!r} must look like module:qualname")

@@ -23,6 +23,7 @@ from aiprof.analysis.kernels import (
     top_with_other,
 )
 from aiprof.analysis.memory import memory_from_trace
+from aiprof.analysis.native import native_dict
 from aiprof.analysis.ranks import cross_rank
 from aiprof.analysis.runtime import runtime_analysis
 from aiprof.analysis.serving import serving_analysis
@@ -66,6 +67,7 @@ class RankReport:
     step_within: str = ""  # the marker steps the iterations were split from (ProfilerStep), if any
     serving: dict | None = None  # analysis.serving.ServingAnalysis: inference traces of a language model
     counters: dict | None = None  # analysis.counters.CounterAnalysis: GPU PM counters per family/collective
+    native: dict | None = None  # analysis.native.NativeAnalysis: library calls, NCCL joins, syscalls
 
 
 def _device(rt: RankTrace) -> dict:
@@ -143,6 +145,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int, colls: RankCollect
         activity=gpu_activity(rt), memops=memop_distribution(rt),
         step_within=steps.within, serving=asdict(sv) if sv else None,
         counters=asdict(hwc) if hwc else None,
+        native=native_dict(rt, *( (int(steps.start.min()), int(steps.end.max())) if len(steps) else (None, None))),
     )
     facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes,
                                    colls=colls, offset_ns=offset_ns)

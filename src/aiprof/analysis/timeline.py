@@ -36,7 +36,7 @@ from aiprof.analysis.steps import find_steps
 from aiprof.flame.nesting import nest
 from aiprof.trace.store import RankTrace
 
-SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps", "gpu_sync")
+SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps", "gpu_sync", "calls", "syscalls")
 _TREE_KIND_TO_SOURCE = {PYTHON: 0, OP: 1, RUNTIME: 2, ANNOTATION: 3}
 # Duration levels (ns): level k holds the events with dur >= 1 µs * 4**k. A query at b ns per
 # pixel reads the level just below b, which holds at most ~4 events per pixel column.
@@ -50,7 +50,7 @@ class Lane:
     """One timeline row; arrays sorted by start."""
 
     id: int
-    group: str  # steps | host | gpu
+    group: str  # steps | host | gpu | native (traced library calls, sampled syscalls)
     track: str  # e.g. "thread 123 (python)" or "GPU 0 stream 7"
     depth: int
     start: np.ndarray
@@ -243,6 +243,27 @@ def build_index(rt: RankTrace) -> TimelineIndex:
                     track += f" (overlap {lane_d})"
                 add(Lane(len(lanes), "gpu", track, int(lane_d) if g == "annotations" else 0, c["start"][oo],
                          c["end"][oo], c["name"][oo], c["src"][oo], c["row"][oo], kind=kind, proc=d, thread=s))
+    # native: one lane per traced library and thread (nested calls by depth), one per thread of syscalls
+    for s, kind in (("calls", "calls"), ("syscalls", "syscalls")):
+        t = rt.table(s)
+        if not len(t):
+            continue
+        nm = t.strings("name")
+        codes = labels.remap(nm.labels)[nm.codes]
+        lib = t.strings("lib").values() if s == "calls" else np.full(len(t), "syscalls", dtype=object)
+        thread = t.strings("thread").values()
+        for key in sorted({(str(a), int(b)) for a, b in zip(lib.tolist(), t["tid"].tolist())}):
+            idx = np.nonzero((lib == key[0]) & (t["tid"] == key[1]))[0]
+            ns = nest(t["ts"][idx].astype(np.int64), (t["ts"][idx] + np.maximum(t["dur"][idx], 1)).astype(np.int64))
+            o = idx[ns.order]
+            tn = str(thread[idx[0]])
+            for d in npx.unique(ns.depth).tolist():
+                oo = o[ns.depth == d]
+                m = ns.depth == d
+                track = f"{key[0]}{' calls' if s == 'calls' else ''} · tid {key[1]}{' (' + tn + ')' if tn else ''}"
+                add(Lane(len(lanes), "native", track, int(d), ns.start[m], ns.end[m], codes[oo],
+                         np.full(len(oo), SOURCES.index(s), np.int8), oo.astype(np.int64), kind=kind,
+                         thread=key[1]))
     lo = min((int(l.start[0]) for l in lanes if len(l)), default=0)
     hi = max((int(l.endmax[-1]) for l in lanes if len(l)), default=lo + 1)
     procs = {}
@@ -384,6 +405,8 @@ def event_detail(rt: RankTrace, tl: TimelineIndex, source: str, row: int) -> dic
                     out["op"] = _ref(tl, "ops", int(tree.row[op]))
     elif source == "annotations" and bool(t["gpu"][row]):
         pass  # a GPU-side annotation: no host call tree node
+    elif source in ("calls", "syscalls"):
+        pass  # the native sidecar's rows: their table row (arguments, path) is the detail
     elif len(tree):
         kind = {"python": PYTHON, "ops": OP, "runtime": RUNTIME, "annotations": ANNOTATION}[source]
         hit = np.nonzero((tree.kind == kind) & (tree.row == row))[0]

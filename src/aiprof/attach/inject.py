@@ -6,7 +6,8 @@ Methods, first that applies:
 2. 3.10+: the shim (shim.c, built once with the system C compiler and cached) is loaded into
    the target by pyinjector (a ptrace-based ``dlopen``); its constructor schedules the script
    with ``Py_AddPendingCall``.
-3. Same shim, loaded by ``gdb -p PID -batch -ex 'call (void*)dlopen(...)'`` when pyinjector is
+3. Same shim, loaded by Frida (``Module.load``) when pyinjector is not installed.
+4. Same shim, loaded by ``gdb -p PID -batch -ex 'call (void*)dlopen(...)'`` when pyinjector is
    not installed.
 
 The script (written next to the shim copy) adds our package to the target's sys.path, starts
@@ -203,6 +204,36 @@ def _inject_pyinjector(info: ProcessInfo, so: str) -> None:
         raise AttachError(f"{info.label}: library injection failed: {msg}")
 
 
+_FRIDA_LOAD = """
+import sys, frida
+s = frida.attach(int(sys.argv[1]))
+sc = s.create_script("try { Module.load(%s); send('ok'); } catch (e) { send('error: ' + e); }" % repr(sys.argv[2]))
+got = []
+sc.on("message", lambda m, d: got.append(m.get("payload", m.get("description"))))
+sc.load()
+sc.unload()
+s.detach()
+print(got[0] if got else "error: no answer")
+sys.exit(0 if got and got[0] == "ok" else 1)
+"""
+
+
+def _inject_frida(info: ProcessInfo, so: str) -> None:
+    # Frida's Module.load is a dlopen from a thread Frida injects (ptrace only while it does so);
+    # in a child process, so that a stuck injection cannot hang the CLI
+    try:
+        r = subprocess.run([sys.executable, "-c", _FRIDA_LOAD, str(info.pid), so], capture_output=True, text=True,
+                           timeout=INJECT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AttachError(f"{info.label}: library injection (Frida) did not finish within {INJECT_TIMEOUT_S:.0f} s") from None
+    if r.returncode != 0:
+        lines = ((r.stdout or "") + (r.stderr or "")).strip().splitlines()
+        msg = lines[-1] if lines else "failed"
+        if "permission" in msg.lower() or "ptrace" in msg.lower():
+            check_ptrace_allowed(info)
+        raise AttachError(f"{info.label}: library injection (Frida) failed: {msg}")
+
+
 def _inject_gdb(info: ProcessInfo, so: str, gdb: str) -> None:
     r = subprocess.run([gdb, "-p", str(info.pid), "-batch", "-nx", "-ex", f'call (void*)dlopen("{so}", 2)'],
                        capture_output=True, text=True, timeout=60)
@@ -225,6 +256,10 @@ def available_methods(version: tuple[int, int] | None) -> list[str]:
         out.append("pyinjector")
     except Exception:
         pass
+    from aiprof.native.engine import frida_status
+
+    if frida_status()[0]:
+        out.append("frida")
     if shutil.which("gdb"):
         out.append("gdb")
     return out
@@ -253,6 +288,8 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
             _inject_remote_exec(info, py)
         elif m == "pyinjector":
             _inject_pyinjector(info, so)
+        elif m == "frida":
+            _inject_frida(info, so)
         else:
             _inject_gdb(info, so, shutil.which("gdb") or "gdb")
         deadline = time.monotonic() + timeout

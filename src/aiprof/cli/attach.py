@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("targets", nargs="+", metavar="PID|NAME", help="process ids or names (matched against command lines)")
     add_capture_options(p, wait_default=5000)
     p.add_argument("--no-capture", action="store_true", help="only inject; capture later with aiprof trigger")
-    p.add_argument("--method", choices=["remote_exec", "pyinjector", "gdb"], default=None, help="force an injection method")
+    p.add_argument("--method", choices=["remote_exec", "pyinjector", "frida", "gdb"], default=None, help="force an injection method")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the capture (default 120)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     add_server_options(p, "job id the agents register under (default: from the target's environment)")
@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         if wait_for_socket(socket_path(agent_rt, info.pid), 0):  # the capture request carries --entry
             print(f"pid {info.pid}: agent already running", file=sys.stderr)
             continue
-        res = inject_agent(info, rt, agent_rt, entry=args.entry, server=agent_server_config(args, req.out))
+        res = inject_agent(info, rt, agent_rt, entry=args.entry, method=args.method,
+                           server=agent_server_config(args, req.out))
         print(f"pid {info.pid}: agent started via {res.method} (torch {res.status.get('torch')}, "
               f"Python {res.status.get('python')})", file=sys.stderr)
     if args.no_capture:

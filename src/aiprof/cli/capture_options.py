@@ -32,6 +32,11 @@ def add_capture_options(p: argparse.ArgumentParser, wait_default: int | None) ->
                         "0 = off (default: off, experimental; docs/capture.md)")
     g.add_argument("--max-trace-mb", type=int, default=512, metavar="MB", help="largest trace.json.gz kept")
     g.add_argument("--no-warmup", action="store_true", help="do not prepare the profiler one iteration early")
+    g.add_argument("--probe-file", default=None, metavar="FILE",
+                   help="trace the library calls a probe file lists (JSON, docs/capture.md), through Frida; "
+                        "'default': NCCL collectives/groups/communicators and CUDA memory/sync calls")
+    g.add_argument("--syscall-interval-ms", type=float, default=2.0, metavar="MS",
+                   help="sampling period of --what syscalls (default 2)")
 
 
 def has_capture_options(args: argparse.Namespace) -> bool:
@@ -41,13 +46,19 @@ def has_capture_options(args: argparse.Namespace) -> bool:
 
 def request_from_args(args: argparse.Namespace) -> CaptureRequest:
     """Build a validated CaptureRequest from parsed options (out made absolute)."""
+    probes = None
+    if getattr(args, "probe_file", None):
+        from aiprof.native.probes import load_probe_file
+
+        probes = load_probe_file(args.probe_file).to_dict()  # a bad file: one-line UsageError
     try:
         return CaptureRequest(
             out=os.path.abspath(args.out), capture_id=args.capture_id or new_capture_id(),
             what=args.what, skip=args.skip or 0, iterations=args.iterations, duration_ms=args.duration_ms,
             wait_ms=args.wait_ms, warmup=not args.no_warmup, hw_interval_ms=args.hw_interval_ms,
             hw_pm_interval_us=args.hw_pm_interval_us,
-            max_trace_mb=args.max_trace_mb, entry=args.entry,
+            max_trace_mb=args.max_trace_mb, entry=args.entry, probes=probes,
+            syscall_interval_ms=getattr(args, "syscall_interval_ms", 2.0),
         ).normalised()
     except RequestError as exc:
         raise UsageError(str(exc)) from exc

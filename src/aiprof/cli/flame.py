@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help="output file; the format follows the suffix (.svg, .html, .folded/.txt, .json) unless --format")
     p.add_argument("--format", choices=FORMATS, help="output format (default: from the file suffix)")
-    p.add_argument("--what", choices=("gpu", "cpu", "both"), default="gpu",
-                   help="GPU time, host time, or both (html: a toggle; speedscope: two profiles)")
+    p.add_argument("--what", choices=("gpu", "cpu", "both", "native"), default="gpu",
+                   help="GPU time, host time, or both (html: a toggle; speedscope: two profiles); native: the "
+                        "capture's sampled native+Python stacks (native.folded, from --what native)")
     p.add_argument("--rank", type=int, help="one rank (default: all ranks merged)")
     p.add_argument("--split-ranks", action="store_true", help="keep ranks apart under a 'rank N' root frame")
     p.add_argument("--step", type=int, help="only this step (number as in the report, e.g. 3 for ProfilerStep#3)")
@@ -59,6 +60,10 @@ def profiles(args: argparse.Namespace) -> list[Profile]:
         raise UsageError("--diff and --diff-step exclusive: compare with another capture or another step")
     if args.diff_step is not None and args.step is None:
         raise UsageError("--diff-step T compares --step S with step T: give --step too")
+    if args.what == "native":
+        if args.diff or args.diff_step is not None or args.step is not None:
+            raise UsageError("--what native has no --diff or --step (py-spy samples carry no step)")
+        return [native_profile(args.paths, args.rank)]
     from aiprof.trace.store import open_capture
 
     cap = open_capture(args.paths, use_cache=not args.no_cache)
@@ -75,6 +80,31 @@ def profiles(args: argparse.Namespace) -> list[Profile]:
             new = diff(base, new, name=f"{what.upper()} step {args.step} vs step {args.diff_step}")
         out.append(new)
     return out
+
+
+def native_profile(paths: list[str], rank: int | None = None) -> Profile:
+    """The sampled native stacks (py-spy --native, Python frames merged in) of a capture's ranks,
+    each under a 'rank N' root frame when there are several."""
+    import glob
+    import os
+    import re
+
+    from aiprof.flame.profile import merge
+
+    files: list[tuple[int, str]] = []
+    for p in paths:
+        cands = [p] if p.endswith(".folded") else (glob.glob(os.path.join(p, "native.folded"))
+                                                   + glob.glob(os.path.join(p, "rank*", "native.folded")))
+        for f in cands:
+            m = re.search(r"rank(\d+)", f)
+            files.append((int(m.group(1)) if m else 0, f))
+    files = sorted(set(f for f in files if rank is None or f[0] == rank))
+    if not files:
+        raise UsageError("no native.folded in the capture: record it with aiprof run/attach --what native")
+    profs = [pyspy.read(f) for _, f in files]
+    if len(profs) == 1:
+        return profs[0]
+    return merge([pr.prefixed(f"rank {r}") for (r, _), pr in zip(files, profs)], name="native stacks")
 
 
 def run(args: argparse.Namespace) -> int:

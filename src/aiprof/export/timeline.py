@@ -24,7 +24,8 @@ HOST_SOURCES = ("python", "annotations", "ops", "runtime")
 
 @dataclass
 class Track:
-    """A named timeline row of one rank; ``kind`` is host, gpu, gpu_annotation, steps or marks."""
+    """A named timeline row of one rank; ``kind`` is host, gpu, gpu_annotation, steps, marks,
+    calls (one traced library on one thread) or syscalls (one thread's blocked system calls)."""
 
     uuid: int
     rank: int
@@ -76,7 +77,8 @@ class Timeline:
         return {s: int(c[i]) for i, s in enumerate(self.sources)}
 
 
-SOURCES = ("python", "annotations", "ops", "runtime", "kernels", "memops", "gpu_annotations", "steps", "marks")
+SOURCES = ("python", "annotations", "ops", "runtime", "kernels", "memops", "gpu_annotations", "steps", "marks",
+           "calls", "syscalls")
 
 
 class _Builder:
@@ -188,6 +190,34 @@ class _Builder:
                 uuid = self.track(rt.rank, f"GPU {p} stream {t} annotations", "gpu_annotation")
                 self.add(uuid, ns.start, ns.end, code[m][ns.order], ns.depth, "gpu_annotations")
 
+    def native(self, rt: RankTrace) -> None:
+        """A track per traced library (and thread) of the ``calls`` table, and one per thread of
+        the ``syscalls`` table (the sampled waits, named with the file they wait on)."""
+        c = rt.table("calls")
+        if len(c):
+            lib, name = c.strings("lib").values(), c.strings("name").values()
+            args = c.strings("args").values()
+            labels = [_call_label(n, a) for n, a in zip(name.tolist(), args.tolist())]
+            codes = np.array([self.names.setdefault(x, len(self.names)) for x in labels], dtype=np.int64)
+            for key in sorted({(str(a), int(t)) for a, t in zip(lib.tolist(), c["tid"].tolist())}):
+                m = (lib == key[0]) & (c["tid"] == key[1])
+                ns = nest(c["ts"][m], c["ts"][m] + np.maximum(c["dur"][m], 1))
+                self.clipped += ns.repaired
+                uuid = self.track(rt.rank, f"{key[0]} calls · tid {key[1]}", "calls")
+                self.add(uuid, ns.start, ns.end, codes[m][ns.order], ns.depth, "calls")
+        sc = rt.table("syscalls")
+        if len(sc):
+            name, path, thread = sc.strings("name").values(), sc.strings("path").values(), sc.strings("thread").values()
+            labels = [f"{n} {p}".strip() for n, p in zip(name.tolist(), path.tolist())]
+            codes = np.array([self.names.setdefault(x, len(self.names)) for x in labels], dtype=np.int64)
+            for t in sorted(set(sc["tid"].tolist())):
+                m = sc["tid"] == t
+                ns = nest(sc["ts"][m], sc["ts"][m] + np.maximum(sc["dur"][m], 1))
+                self.clipped += ns.repaired
+                tn = str(thread[m][0])
+                uuid = self.track(rt.rank, f"syscalls · {tn + ' ' if tn else ''}tid {t}", "syscalls")
+                self.add(uuid, ns.start, ns.end, codes[m][ns.order], ns.depth, "syscalls")
+
     def steps(self, rt: RankTrace) -> None:
         st = find_steps(rt)
         if st.source == "window" or not len(st):
@@ -267,6 +297,25 @@ class _Builder:
                         p["depth"], p["source"], p["fout"], p["fin"], self.clipped, SOURCES)
 
 
+def _call_label(symbol: str, args_json: str) -> str:
+    """A call's slice name: the symbol and its size/datatype where the probe recorded them."""
+    import json
+
+    try:
+        a = json.loads(args_json)
+    except ValueError:
+        return symbol
+    if not isinstance(a, dict):
+        return symbol
+    parts = [symbol]
+    b = a.get("bytes")
+    if isinstance(b, int) and b >= 0:
+        parts.append(f"{b / 1e6:.2f} MB" if b >= 1e5 else f"{b} B")
+    if a.get("datatype"):
+        parts.append(str(a["datatype"]))
+    return " ".join(parts)
+
+
 def _thread_names(rt: RankTrace) -> dict[tuple[int, int], str]:
     th = rt.threads
     if not len(th):
@@ -303,6 +352,7 @@ def build_timeline(capture: Capture, marks: Optional[list[Mark]] = None, host: b
         if host:
             b.host(rt, flows, process)
         b.gpu(rt, flows)
+        b.native(rt)
         b.memory_counters(rt)
         b.hw_counters(rt)
         b.pm_counters(rt)

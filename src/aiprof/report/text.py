@@ -180,6 +180,7 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         if ct is not None:
             console.print(ct)
         render_diagnosis(console, r)
+        _native(console, r)
         console.print()
     if len(ranks) > _MAX_RANK_DETAIL:
         console.print(f"({len(ranks) - _MAX_RANK_DETAIL} more ranks: see the JSON report)")
@@ -263,6 +264,39 @@ def _syncs_table(rank: dict) -> Table | None:
         t.add_row(s["call"], s["op"], _short(s["site"], 40), str(s["calls"]), _ms(s["host_wait_us"]),
                   _ms(s["gpu_idle_after_us"]), _ms(s["stall_us"]))
     return t
+
+
+def _native(console: Console, rank: dict) -> None:
+    """Library calls (probe file), NCCL calls joined to their issuers, blocked system calls."""
+    n = rank.get("native")
+    if not n:
+        return
+    if n.get("symbols"):
+        t = Table(title="Library calls (probe file; docs/capture.md)", title_justify="left", show_edge=False)
+        for col, j in (("library", "left"), ("symbol", "left"), ("calls", "right"), ("total ms", "right"),
+                       ("mean µs", "right"), ("max µs", "right"), ("bytes", "right")):
+            t.add_column(col, justify=j)
+        for x in n["symbols"][:12]:
+            t.add_row(x["lib"], x["name"], str(x["calls"]), _ms(x["total_us"]), f"{x['mean_us']:.1f}",
+                      f"{x['max_us']:.1f}", f"{x['bytes']:,}" if x["bytes"] else "")
+        console.print(t)
+    for c in n.get("collectives_by_comm") or []:
+        sm = n.get("sizes_match") or {}
+        console.print(f"NCCL {c['coll']} on comm {c['comm']}: {c['calls']} calls, {c['bytes'] / 1e6:,.1f} MB, host enqueue "
+                      f"{_ms(c['host_us'])} ms, GPU {_ms(c['gpu_us'])} ms · sizes equal to torch's record "
+                      f"{sm.get('op_equal', 0)}/{sm.get('op_compared', 0)}, to the kernel's {sm.get('equal', 0)}/"
+                      f"{sm.get('compared', 0)}")
+    if n.get("syscalls"):
+        t = Table(title="Blocked in system calls (sampled; docs/capture.md)", title_justify="left", show_edge=False)
+        for col, j in (("syscall", "left"), ("class", "left"), ("episodes", "right"), ("blocked ms", "right"),
+                       ("GPU idle ms", "right"), ("threads", "right"), ("top file", "left")):
+            t.add_column(col, justify=j)
+        for x in n["syscalls"][:10]:
+            t.add_row(x["name"], x["cls"], str(x["episodes"]), _ms(x["blocked_us"]), _ms(x["while_gpu_idle_us"]),
+                      str(x["threads"]), _short(x["top_path"], 40))
+        console.print(t)
+    for note in n.get("notes") or []:
+        console.print(f"native: {note}")
 
 
 def _comm_table(rank: dict) -> Table | None:

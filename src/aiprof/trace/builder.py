@@ -25,6 +25,7 @@ from aiprof.trace.events import (
     decode_args,
 )
 from aiprof.trace.hwcsv import hw_table, pm_table
+from aiprof.trace.nativecsv import calls_table, syscalls_table
 from aiprof.trace.table import Table
 
 # Times become int64 ns. A ts in [-2^60, 2^62] ns (2^62 ns: the year 2116 on a Unix-epoch clock)
@@ -551,7 +552,7 @@ _HANDLERS: dict[str, Callable[[Builder, list[Ev]], None]] = {
 
 # Tables every capture has (possibly empty), in the order the docs list them.
 TABLES = ("ops", "annotations", "python", "runtime", "kernels", "memops", "gpu_sync", "flows",
-          "collectives", "memory", "threads", "hw", "pm")
+          "collectives", "memory", "threads", "hw", "pm", "calls", "syscalls")
 
 
 def _schema() -> dict[str, Table]:
@@ -565,6 +566,8 @@ def _schema() -> dict[str, Table]:
     tables = b.finish()
     tables["hw"] = hw_table([], [], [], [])
     tables["pm"] = pm_table([], [], [], [], [])
+    tables["calls"] = calls_table([])
+    tables["syscalls"] = syscalls_table([])
     missing = set(TABLES) - set(tables)
     assert not missing, f"tables without a schema: {missing}"
     return {name: t.take(np.zeros(0, np.int64)) for name, t in tables.items()}

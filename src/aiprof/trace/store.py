@@ -35,11 +35,12 @@ from aiprof import npx
 from aiprof.errors import TraceError
 from aiprof.trace.builder import empty_table
 from aiprof.trace.hwcsv import hw_path_for, pm_path_for, read_hw_csv, read_pm_csv
+from aiprof.trace.nativecsv import native_paths_for, read_native
 from aiprof.trace.kineto import TABLES, read_trace
 from aiprof.trace.table import Table
 
-STORE_VERSION = 4  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
-# durations; 4: the agent's meta.json beside the trace, for the unprofiled step time)
+STORE_VERSION = 5  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
+# durations; 4: the agent's meta.json beside the trace, for the unprofiled step time; 5: pm, calls, syscalls)
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
@@ -145,6 +146,9 @@ def _fingerprint(path: str) -> dict:
     if pm:
         pst = os.stat(pm)
         fp["pm"] = {"size": pst.st_size, "mtime_ns": pst.st_mtime_ns}
+    for name, p in native_paths_for(path).items():  # so do the native sidecar's files
+        nst = os.stat(p)
+        fp[name] = {"size": nst.st_size, "mtime_ns": nst.st_mtime_ns}
     cm = _capture_meta_path(path)
     if cm:  # so does the agent's meta.json (it holds the unprofiled step times)
         cst = os.stat(cm)
@@ -155,7 +159,7 @@ def _fingerprint(path: str) -> dict:
 CAPTURE_META = "meta.json"
 CAPTURE_SCHEMA = "aiprof.capture/1"
 # What the analysis keeps of the agent's meta.json (the rest is for the service and the user).
-_CAPTURE_KEYS = ("capture_id", "origin", "trigger", "mode", "options", "steps", "device", "activities")
+_CAPTURE_KEYS = ("capture_id", "origin", "trigger", "mode", "options", "steps", "device", "activities", "native")
 
 
 def _capture_meta_path(trace_path: str) -> str | None:
@@ -297,6 +301,11 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
             parsed.tables["pm"] = read_pm_csv(pm)
         except (OSError, EOFError, UnicodeDecodeError, csv.Error) as exc:  # gzip.BadGzipFile is an OSError
             print(f"aiprof: warning: {pm}: PM samples skipped ({exc})", file=sys.stderr)
+    for name, p in native_paths_for(path).items():
+        try:
+            parsed.tables[name] = read_native(p, name)
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:
+            print(f"aiprof: warning: {p}: native {name} skipped ({exc})", file=sys.stderr)
     meta = _trace_meta(path, parsed.meta, parsed.tables, index)
     meta["capture"] = read_capture_meta(path)
     meta["source"] = fp

@@ -29,8 +29,14 @@ function rankTree(L, meta) {
   const r = L.rank, dev = (meta.ranks.find((x) => x.rank === r) || {}).device || {};
   const root = { id: `r${r}`, rank: r, label: `rank ${r}${L.host ? ' · ' + L.host : ''}${dev.name ? ' · ' + dev.name : ''}`, children: [] };
   const procs = new Map(), gpus = new Map();
+  let natives = null;
   for (const lane of L.lanes) {
     if (lane.group === 'steps') { root.children.push({ lane, label: 'steps' }); continue; }
+    if (lane.group === 'native') { // traced library calls and sampled syscalls: one row per library/thread
+      if (!natives) natives = { id: `r${r}:n`, rank: r, label: 'native (library calls, syscalls)', children: [] };
+      natives.children.push({ lane, label: lane.depth ? `${lane.track} · depth ${lane.depth}` : lane.track });
+      continue;
+    }
     if (lane.group === 'host') {
       const pid = lane.proc;
       if (!procs.has(pid)) {
@@ -61,7 +67,7 @@ function rankTree(L, meta) {
     if (!gpus.size) gpus.set(0, { id: `r${r}:g0`, rank: r, label: 'GPU', children: [], streams: new Map() });
     gpus.values().next().value.children.push({ id: `r${r}:pm`, rank: r, label: `GPU counters (${pmC.length})`, children: pmC.map((c) => ({ counter: c, label: c.name })) });
   }
-  root.children.push(...procs.values(), ...gpus.values());
+  root.children.push(...procs.values(), ...gpus.values(), ...(natives ? [natives] : []));
   if (other.length) root.children.push({ id: `r${r}:c`, rank: r, label: `counters (${other.length})`, children: other.map((c) => ({ counter: c, label: c.name })) });
   // a collapsed thread or stream still shows its top row (depth 0 / its kernels)
   const summary = (n) => n.children.find((c) => c.lane && (c.lane.group === 'host' ? c.lane.depth === 0 : c.label === 'kernels / memcpy')) || n.children.find((c) => c.lane);

@@ -21,13 +21,14 @@ from aiprof.diagnosis.causes import (
     pageable_copy,
     prefill_stall,
     small_batch,
+    syscall_blocked,
     unfused_optimizer,
 )
 
 # The serving detectors (host_sampling .. small_batch) act only on inference traces of a language
 # model (analysis/serving.py); decode_launch_bound claims the decode iterations' launches, so it
 # runs before the generic launch_bound, which prices what is left.
-RANK_DETECTORS = (allocator_churn, new_shapes, unfused_optimizer, host_sync, pageable_copy, dataloader,
+RANK_DETECTORS = (allocator_churn, new_shapes, unfused_optimizer, host_sync, pageable_copy, syscall_blocked, dataloader,
                   host_preprocessing, host_sampling, host_scheduling, kv_cache_copy, prefill_stall, small_batch,
                   matmul_precision, idle_sms, decode_launch_bound, launch_bound)
 # Detectors whose remedy would also hide the specific causes' symptoms: priced after those.
