@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from aiprof.agent import log, profguard
+from aiprof.agent import cupti_teardown, log, profguard
 from aiprof.agent.config import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
@@ -400,6 +400,7 @@ class CaptureDriver:
             pass
         if cuda:
             acts.append(ProfilerActivity.CUDA)
+            cupti_teardown.watch_graphs()  # from the first CUDA capture on: graphs rule out teardown
         self.info["activities"] = ["cpu", "cuda"] if cuda else ["cpu"]
         w = set(req.what)
         return profile(activities=acts, record_shapes="shapes" in w, with_stack="python" in w,
@@ -513,6 +514,9 @@ class CaptureDriver:
                 if self.sampler.pm_interval_us and self.sampler.cuda_index is not None:
                     self.sampler.stop_pm()
                 self.sampler._stop.set()  # joined by the exporter, not here
+            if "cuda" in (self.info.get("activities") or ()):
+                # CUPTI detached at stop, else the job's CUDA calls stay slower (cupti_teardown.py)
+                self.info["cupti_teardown"] = cupti_teardown.decide()
             t0 = time.perf_counter()
             with profguard.own():
                 self.prof.stop_trace()
@@ -686,6 +690,7 @@ class CaptureDriver:
             "mode": self.mode,  # iterations | duration (steps seen) | time (no steps: main thread)
             "options": req.to_dict(),
             "activities": self.info.get("activities"),
+            "cupti_teardown": self.info.get("cupti_teardown"),  # CUDA captures: CUPTI detached at stop?
             "device": self.info.get("device"),
             "thread": self.info.get("thread"),
             "started_unix_ns": self.t_start_unix_ns,

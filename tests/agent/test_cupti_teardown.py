@@ -1,0 +1,61 @@
+"""The agent detaches CUPTI at a CUDA capture's stop (TEARDOWN_CUPTI=1) unless the job set the
+variable itself or uses CUDA graphs (agent/cupti_teardown.py)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from aiprof.agent import cupti_teardown as ct
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.delenv(ct.ENV, raising=False)
+    monkeypatch.setattr(ct, "_state", {"ours": False, "graphs": False, "hooked": False})
+    orig = torch.cuda.graphs.CUDAGraph.capture_begin
+    yield
+    torch.cuda.graphs.CUDAGraph.capture_begin = orig
+
+
+def test_sets_it_when_the_job_did_not(monkeypatch):
+    d = ct.decide()
+    assert d["teardown"] is True and ct.os.environ[ct.ENV] == "1"
+    assert ct.decide()["teardown"] is True  # a second capture: still ours, still set
+
+
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_the_jobs_own_setting_wins(monkeypatch, value):
+    monkeypatch.setenv(ct.ENV, value)
+    d = ct.decide()
+    assert d["teardown"] is (value == "1") and "set by the job" in d["why"]
+    assert ct.os.environ[ct.ENV] == value
+
+
+def test_a_graph_engine_rules_it_out_and_takes_back_an_earlier_setting(monkeypatch):
+    assert ct.decide()["teardown"] is True
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    d = ct.decide()
+    assert d["teardown"] is False and "vllm" in d["why"] and ct.ENV not in ct.os.environ
+
+
+def test_a_captured_cuda_graph_is_seen_through_the_real_class():
+    ct.watch_graphs()
+    ct.watch_graphs()  # idempotent: one wrapper
+    assert ct.decide()["teardown"] is True  # nothing captured yet
+    # no GPU here (CUDAGraph cannot even be made): the real capture_begin fails on a stand-in,
+    # after the wrapper has noted the capture
+    with pytest.raises(Exception):
+        torch.cuda.graphs.CUDAGraph.capture_begin(object())
+    d = ct.decide()
+    assert d["teardown"] is False and "captured a CUDA graph" in d["why"]
+
+
+def test_inductor_cudagraphs_rule_it_out(monkeypatch):
+    import torch._inductor.config as cfg
+
+    monkeypatch.setattr(cfg.triton, "cudagraphs", True)
+    d = ct.decide()
+    assert d["teardown"] is False and "inductor" in d["why"]
