@@ -80,21 +80,8 @@ def calls_table(rows: list[dict]) -> Table:
         args.append(rec.get("args") or "{}")
         comm.append(str(a.get("comm") or ""))
         stream.append(str(a.get("stream") or ""))
-    order = np.argsort(np.asarray(ts, dtype=np.float64), kind="stable")
-
-    def num(v: list, dt: type) -> np.ndarray:
-        return np.asarray(v, dtype=dt)[order] if len(v) else np.zeros(0, dt)
-
-    def text(v: list[str]):
-        return encode_strings([v[i] for i in order])
-
-    return Table({
-        "ts": np.rint(num(ts, np.float64) * 1000.0).astype(np.int64),
-        "dur": np.rint(num(dur, np.float64) * 1000.0).astype(np.int64),
-        "tid": num(tid, np.int64), "ret": num(ret, np.int64), "bytes": num(nbytes, np.int64),
-        "count": num(count, np.int64), "thread": text(thread), "lib": text(lib), "name": text(name),
-        "args": text(args), "comm": text(comm), "stream": text(stream),
-    })
+    return _sorted_table(ts, dur, {"tid": tid, "ret": ret, "bytes": nbytes, "count": count},
+                         {"thread": thread, "lib": lib, "name": name, "args": args, "comm": comm, "stream": stream})
 
 
 def syscalls_table(rows: list[dict]) -> Table:
@@ -114,20 +101,22 @@ def syscalls_table(rows: list[dict]) -> Table:
         name.append(rec.get("syscall") or "")
         cls.append(rec.get("class") or "other")
         path.append(rec.get("path") or "")
+    return _sorted_table(ts, dur, {"tid": tid, "samples": samples, "fd": fd},
+                         {"thread": thread, "name": name, "cls": cls, "path": path})
+
+
+def _sorted_table(ts: list, dur: list, ints: dict[str, list], texts: dict[str, list[str]]) -> Table:
+    """A table sorted by time: ts and dur (µs in, int64 ns out), int64 and string columns."""
     order = np.argsort(np.asarray(ts, dtype=np.float64), kind="stable")
 
     def num(v: list, dt: type) -> np.ndarray:
         return np.asarray(v, dtype=dt)[order] if len(v) else np.zeros(0, dt)
 
-    def text(v: list[str]):
-        return encode_strings([v[i] for i in order])
-
-    return Table({
-        "ts": np.rint(num(ts, np.float64) * 1000.0).astype(np.int64),
-        "dur": np.rint(num(dur, np.float64) * 1000.0).astype(np.int64),
-        "tid": num(tid, np.int64), "samples": num(samples, np.int64), "fd": num(fd, np.int64),
-        "thread": text(thread), "name": text(name), "cls": text(cls), "path": text(path),
-    })
+    cols = {"ts": np.rint(num(ts, np.float64) * 1000.0).astype(np.int64),
+            "dur": np.rint(num(dur, np.float64) * 1000.0).astype(np.int64)}
+    cols.update({k: num(v, np.int64) for k, v in ints.items()})
+    cols.update({k: encode_strings([v[i] for i in order]) for k, v in texts.items()})
+    return Table(cols)
 
 
 def read_native(path: str, which: str) -> Table:
