@@ -45,12 +45,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/overhead.py: the shared workloads
 
-import torch  # noqa: E402
+import overhead
+import torch
 
-from aiprof.agent.bootstrap import ensure_agent  # noqa: E402
-from aiprof.agent.config import CaptureRequest  # noqa: E402
-from aiprof.agent.traceout import FORK_ENV  # noqa: E402
+from aiprof.agent.bootstrap import ensure_agent
+from aiprof.agent.config import CaptureRequest
+from aiprof.agent.traceout import FORK_ENV
 
 MAX_EXTRA_STEPS = 2000  # steps run after --after while waiting for an export to finish
 SERIES_BEFORE = 5  # steps before the stop step kept in each round's series
@@ -59,31 +61,12 @@ DEEP_LAYERS = 120  # --model deep: ~2,000 profiled ops per step, a GPU-sized tra
 
 
 def build(model: str, device: str):
-    """Return train_step() for the chosen workload."""
-    torch.manual_seed(0)
-    if model == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257)
-        m = GPT2LMHeadModel(cfg).to(device)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-        batch, seq = 8, 1024
-
-        def step() -> None:
-            x = torch.randint(0, 50257, (batch, seq)).to(device)
-            with torch.autocast(device, dtype=torch.bfloat16):
-                out = m(x, labels=x)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-    if model == "deep":  # many small ops per step: a large trace from a cheap CPU step
-        width, batch = 64, 8
-        m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(DEEP_LAYERS)]).to(device)
-    else:
-        width, batch = 512, 64
-        m = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                torch.nn.Linear(4 * width, width)).to(device)
+    """Return train_step() for the chosen workload (GPT-2 and the MLP: bench/overhead.py's)."""
+    if model != "deep":
+        return overhead.build(model, device)
+    torch.manual_seed(0)  # "deep": many small ops per step, a large trace from a cheap CPU step
+    width, batch = 64, 8
+    m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(DEEP_LAYERS)]).to(device)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
     def step() -> None:

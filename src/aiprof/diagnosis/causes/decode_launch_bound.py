@@ -43,12 +43,10 @@ def remedy_for(engine: str) -> str:
 
 
 def detect(f: RankFacts) -> list[Cause]:
-    g = f.graph
-    if not f.has_gpu or not g.n_ops:
-        return []
-    dec = sc.decode_steps(f)
+    dec = sc.gpu_decode_steps(f)
     if dec is None:
         return []
+    g = f.graph
     sv = sc.serving(f)
     busy = sum(it.gpu_busy_us for it, m in zip(sv.iterations, dec) if m)
     dur = sum(it.duration_us for it, m in zip(sv.iterations, dec) if m)

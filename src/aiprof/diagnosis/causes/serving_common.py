@@ -51,6 +51,13 @@ def decode_steps(f: RankFacts) -> np.ndarray | None:
     return m if m.sum() >= MIN_DECODE_ITERATIONS else None
 
 
+def gpu_decode_steps(f: RankFacts) -> np.ndarray | None:
+    """:func:`decode_steps` of a rank that ran GPU work (None otherwise): where the decode causes act."""
+    if not f.has_gpu or not f.graph.n_ops:
+        return None
+    return decode_steps(f)
+
+
 def engine(f: RankFacts) -> str:
     """Which engine drives the model, from the frames the trace has ("" when unknown)."""
     labels = f.tree.labels

@@ -42,12 +42,10 @@ def remedy_for(engine: str, batch: float, k: int) -> str:
 
 
 def detect(f: RankFacts) -> list[Cause]:
-    g = f.graph
-    if not f.has_gpu or not g.n_ops:
-        return []
-    dec = sc.decode_steps(f)
+    dec = sc.gpu_decode_steps(f)
     if dec is None:
         return []
+    g = f.graph
     sv = sc.serving(f)
     dur = sc.median_of(f, dec, "duration_us")
     busy = sc.median_of(f, dec, "gpu_busy_us")
