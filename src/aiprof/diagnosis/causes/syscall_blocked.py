@@ -64,10 +64,16 @@ def detect(f: RankFacts) -> list[Cause]:
         if p:
             by_path[p] = by_path.get(p, 0.0) + d
     top_path = max(by_path, key=by_path.get) if by_path else ""
-    # the Python frames the thread was in while blocked: the innermost at each wait's midpoint
+    # the Python frames the thread was in while blocked: the innermost at each wait's midpoint; the
+    # place is the function holding the most blocked time (a sampled wait that spills past its call,
+    # e.g. into the loop around it, must not make the whole loop the place)
     nodes = f.tree.innermost_at((st + en) // 2)
     region_roots = np.zeros(len(f.tree), dtype=bool)
-    region_roots[nodes[nodes >= 0]] = True
+    hit = nodes >= 0
+    if hit.any():
+        codes = f.tree.code[nodes[hit]]
+        top_code = int(np.argmax(np.bincount(codes, weights=(en - st)[hit])))
+        region_roots[nodes[hit][codes == top_code]] = True
     claims = []
     if region_roots.any():
         roots = outermost(f, region_roots)
