@@ -9,7 +9,7 @@ its loss does) and is timed on the host. Each round: --before steps, a kernels c
 
 - ``before_ms``: median step before the capture;
 - ``stop_step_ms``: the step whose optimizer step ends the capture (it runs Kineto's
-  ``stop_trace`` on the training thread, in both modes);
+  ``stop_trace`` on the training thread, but in ``offthread`` mode);
 - ``first_after_ms``, ``after_max_ms``: the next step, and the slowest of the --after steps;
 - ``excess_ms``: the sum over the --after steps of (step - before_ms), positive parts;
 - ``stall_ms``: (stop step - before_ms) + excess_ms: everything the capture's end cost the job,
@@ -17,14 +17,17 @@ its loss does) and is timed on the host. Each round: --before steps, a kernels c
   writer can land in the stop step itself: the export thread may take the GIL as it starts);
 - the agent's own timings from meta.json's ``export`` (stop_ms, fork_ms, write_ms, release_ms).
 
-Three export modes (``AIPROF_EXPORT_FORK``), rotated round by round so drift hits all alike,
-after one warm-up capture that is not counted (CUPTI initialisation):
+Four modes, rotated round by round so drift hits all alike, after one warm-up capture that is
+not counted (CUPTI initialisation and the stopper's build):
 
-- ``auto``: as shipped: a forked child writes a large trace, the export thread a small one
+- ``offthread``: as shipped: the training thread only detaches the profiler; the export thread
+  finishes it and writes the trace with the GIL released (agent/offstop.py);
+- ``auto``: the path before (``AIPROF_OFFSTOP=0``): Kineto's ``stop_trace`` on the training
+  thread, then a forked child writes a large trace, the export thread a small one
   (agent/traceout.py; meta.json's ``export.why`` says which and why);
-- ``fork``: always the forked child;
-- ``thread``: always the agent's export thread (the behaviour before: Kineto's save holds the
-  GIL while it writes).
+- ``fork``: stop_trace, then always the forked child;
+- ``thread``: stop_trace, then always the agent's export thread (Kineto's save holds the GIL
+  while it writes).
 
 Results: a table on stdout and ``$OUT/capture_stall.json`` (or --out).
 
@@ -51,12 +54,16 @@ import overhead
 import torch
 
 from aiprof.agent.bootstrap import ensure_agent
+from aiprof.agent import offstop
+from aiprof.agent.capture import OFFSTOP_ENV
 from aiprof.agent.config import CaptureRequest
 from aiprof.agent.traceout import FORK_ENV
 
 MAX_EXTRA_STEPS = 2000  # steps run after --after while waiting for an export to finish
 SERIES_BEFORE = 5  # steps before the stop step kept in each round's series
-MODES = {"auto": "auto", "fork": "1", "thread": "0"}  # bench mode -> AIPROF_EXPORT_FORK
+# bench mode -> (AIPROF_OFFSTOP, AIPROF_EXPORT_FORK)
+MODES = {"offthread": ("1", "auto"), "auto": ("0", "auto"), "fork": ("0", "1"), "thread": ("0", "0")}
+BUILD_WAIT_S = 180.0  # the stopper's first build (seconds; minutes on a loaded 2-core machine)
 DEEP_LAYERS = 120  # --model deep: ~2,000 profiled ops per step, a GPU-sized trace from a CPU job
 
 
@@ -79,7 +86,7 @@ def build(model: str, device: str):
 
 def one_round(agent, step, device: str, mode: str, name: str, args, caps: str) -> dict:
     """Steps before, one capture, steps until its export finished; the series and summaries."""
-    os.environ[FORK_ENV] = MODES[mode]
+    os.environ[OFFSTOP_ENV], os.environ[FORK_ENV] = MODES[mode]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: list[float] = []
     counts: list[int] = []
@@ -120,7 +127,7 @@ def one_round(agent, step, device: str, mode: str, name: str, args, caps: str) -
     excess = sum(max(0.0, t - before) for t in after)
     stall = max(0.0, times[i_stop] - before) + excess
     return {
-        "mode": mode, "capture_id": name, "captured": meta["steps"]["captured"], "export": meta.get("export"),
+        "mode": mode, "capture_id": name, "captured": meta["steps"]["captured"], "export": meta.get("export"), "stop": meta.get("stop"),
         "trace_json_bytes": meta.get("trace_json_bytes"),
         "before_ms": round(before * 1e3, 3),
         "stop_step_ms": ms[i_stop],
@@ -163,11 +170,13 @@ def main() -> None:
     for _ in range(10):  # allocator, cuBLAS handles, autotuning
         step()
     agent = ensure_agent("bench", rt)
-    rounds = [one_round(agent, step, device, "auto", "warmup", args, caps)]
+    rounds = [one_round(agent, step, device, "offthread", "warmup", args, caps)]
     rounds[0]["mode"] = "warmup"
+    if offstop.wait(BUILD_WAIT_S) is None:  # the warm-up armed its build; the rounds must not race it
+        print(f"offthread stop unavailable: {offstop.unavailable() or 'still building'}", file=sys.stderr)
     names = list(MODES)
     for r in range(args.rounds):
-        for mode in names[r % 3:] + names[:r % 3]:
+        for mode in names[r % len(names):] + names[:r % len(names)]:
             rounds.append(one_round(agent, step, device, mode, f"r{r}-{mode}", args, caps))
             print(f"round {r} {mode} done", file=sys.stderr, flush=True)
     summary = {}

@@ -92,3 +92,17 @@ def page(browser):
     yield pg
     pg.close()
     assert not errors, errors
+
+
+@pytest.fixture(scope="session", autouse=True)
+def offstop_built():
+    """The agent's profiler stopper (agent/offstop.py), built once before any job runs: a job
+    then loads it at its first capture request, so every capture in the tests ends the shipped
+    way (detached) rather than as a race with a first build falls. Where it cannot be built the
+    captures stop the old way; tests/agent/test_offstop.py fails with the reason."""
+    from aiprof.agent import cbuild, offstop
+
+    try:
+        offstop.build()
+    except cbuild.BuildError:
+        pass

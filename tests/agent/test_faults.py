@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from capsupport import PY, SCRIPTS, env_with, load_meta, load_trace, profiler_steps, rank_dirs, wait_for
 
+from aiprof.agent.capture import OFFSTOP_ENV
 from aiprof.agent.traceout import FORK_ENV, choose_fork
 
 GATED = SCRIPTS / "gated_train.py"
@@ -147,8 +148,8 @@ def test_sigterm_during_a_capture_ends_the_job_as_without_the_agent(rt, tmp_path
     assert "Traceback" not in r_err and rank_dirs(out) == []
 
 
-@pytest.mark.parametrize("fork", ["0", "1"], ids=["thread", "fork"])
-def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path, fork):
+@pytest.mark.parametrize("fork,offstop", [("0", "0"), ("1", "0"), ("auto", "1")], ids=["thread", "fork", "offthread"])
+def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path, fork, offstop):
     """A job that ends cleanly on SIGTERM exits 0 as without the agent; the agent stops its
     capture at exit and writes it whole, noting why it is short."""
     out = tmp_path / "caps"
@@ -156,7 +157,8 @@ def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path, fork)
     run = subprocess.Popen([PY, "-m", "aiprof", "run", "--skip", "3", "--iterations", "10", "--out", str(out),
                             "--capture-id", "c", "--", PY, str(GATED), "--steps", "20", "--graceful-sigterm",
                             "--gate", f"6:{gate}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt, **{FORK_ENV: fork}))
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env_with(rt, **{FORK_ENV: fork, OFFSTOP_ENV: offstop}))
     try:
         wait_for(Path(f"{gate}.waiting").exists, 60, "the job held before step 6")
         run.send_signal(signal.SIGTERM)
@@ -171,6 +173,7 @@ def test_sigterm_with_the_jobs_own_handler_keeps_the_capture(rt, tmp_path, fork)
     # iterations 3-5 ran whole; 6 had begun (the boundary is the optimizer step) when SIGTERM came
     assert meta["steps"]["captured"] == [3, 4, 5, 6] and "the job exited during the capture" in meta["errors"]
     assert profiler_steps(load_trace(d)) == [3, 4, 5, 6]
+    assert meta["stop"]["how"] == ("detached" if offstop == "1" else "stop_trace"), meta["stop"]
 
 
 def test_the_trace_is_written_by_a_child_process_while_the_job_runs_on(rt, tmp_path):
@@ -185,7 +188,8 @@ def test_the_trace_is_written_by_a_child_process_while_the_job_runs_on(rt, tmp_p
     gate = tmp_path / "gate"
     run = subprocess.Popen([PY, "-m", "aiprof", "run", "--skip", "2", "--iterations", "2", "--out", str(out),
                             "--capture-id", "c", "--", PY, str(GATED), "--steps", "12", "--gate", f"9:{gate}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt, **{FORK_ENV: "1"}))
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env_with(rt, **{FORK_ENV: "1", OFFSTOP_ENV: "0"}))
     try:
         waiting = Path(f"{gate}.waiting")
         wait_for(waiting.exists, 90, "the job held before step 9, five steps after the capture stopped")
@@ -221,7 +225,8 @@ def test_the_agent_survives_the_trace_writer_dying(rt, tmp_path):
     run = subprocess.Popen([PY, "-m", "aiprof", "run", "--skip", "2", "--iterations", "2", "--out", str(out),
                             "--capture-id", "c", "--", PY, str(GATED), "--steps", "80", "--gate", f"7:{gate}",
                             "--gate", f"75:{gate2}"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with(rt, **{FORK_ENV: "1"}))
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=env_with(rt, **{FORK_ENV: "1", OFFSTOP_ENV: "0"}))
     try:
         wait_for(Path(f"{gate}.waiting").exists, 90, "the job held before step 7")
         job_pid = int(Path(f"{gate}.waiting").read_text())

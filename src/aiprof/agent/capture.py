@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from aiprof.agent import cupti_teardown, log, profguard
+from aiprof.agent import cupti_teardown, log, offstop, profguard
 from aiprof.agent.config import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
@@ -37,6 +37,10 @@ CLOCK_MARKER = "aiprof::clock_sync"
 META_SCHEMA = "aiprof.capture/1"
 START_TIMEOUT_S = 10.0  # a pending call on a main thread that runs no Python for this long is dropped
 EXPORT_WAIT_AT_EXIT_S = 30.0
+# the job starts its own profiler while a detached one is finishing: wait this long for the finish
+# (Kineto's post-processing, seconds at most), so the two do not share Kineto
+JOB_PROFILER_WAIT_S = 30.0
+OFFSTOP_ENV = "AIPROF_OFFSTOP"  # 0: stop the profiler on the training thread (torch's own stop_trace)
 
 DoneCallback = Callable[[dict], None]
 
@@ -123,6 +127,9 @@ class CaptureDriver:
         self.native_cfg: dict | None = None  # what the sidecar must do, until it is launched
         self.native_launched_at: float | None = None
         self.native_recording = False
+        self.detached: int | None = None  # offstop handle: the profiler awaits its finish on the export thread
+        self.finished = threading.Event()  # clear while a detached profiler is not finished
+        self.finished.set()
 
     # -- control side (agent threads) ---------------------------------------------------------
     def submit(self, req: CaptureRequest, on_done: DoneCallback | None = None) -> str | None:
@@ -137,6 +144,7 @@ class CaptureDriver:
             self.armed_count = self.agent.tracker.count
             self.state = ARMED
         self.native_cfg = req.native_config()
+        offstop.prepare()  # the stopper builds in the background (cached): ready long before the stop
         return None
 
     def _maybe_launch_native(self) -> None:
@@ -303,6 +311,9 @@ class CaptureDriver:
     def yield_to_job(self) -> None:
         """The job is about to prepare or start its own profiler (agent/profguard.py): drop this
         capture first if it holds the profiler, so that the job's runs alone."""
+        if not self.finished.wait(JOB_PROFILER_WAIT_S):  # a detached profiler still holds Kineto
+            log.warn_once("yield-finish", "the job started its own torch.profiler while the agent's was still "
+                                          f"finishing ({JOB_PROFILER_WAIT_S:.0f} s); the two may collide")
         if not (self.state is RECORDING or (self.state is ARMED and self.prepared)):
             return
         why = "the job started its own torch.profiler; this capture was dropped so that the job's runs alone"
@@ -518,8 +529,10 @@ class CaptureDriver:
                 # CUPTI detached at stop, else the job's CUDA calls stay slower (cupti_teardown.py)
                 self.info["cupti_teardown"] = cupti_teardown.decide()
             t0 = time.perf_counter()
-            with profguard.own():
-                self.prof.stop_trace()
+            self.info["stop"] = self._detach()
+            if self.detached is None:
+                with profguard.own():
+                    self.prof.stop_trace()
             self.info["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         except Exception as exc:
             self.errors.append(f"profiler stop: {type(exc).__name__}: {exc}")
@@ -530,6 +543,25 @@ class CaptureDriver:
             self.state = EXPORTING
         self.export_thread = threading.Thread(target=self._export, name="aiprof-export", daemon=True)
         self.export_thread.start()
+
+    def _detach(self) -> dict[str, Any]:
+        """Detach the profiler from this thread (agent/offstop.py) so the export thread finishes
+        it; on any failure the caller stops it here the old way. Returns how, for meta.json."""
+        lib = offstop.ready() if os.environ.get(OFFSTOP_ENV, "1") != "0" else None
+        if lib is None:
+            why = (f"{OFFSTOP_ENV}=0" if os.environ.get(OFFSTOP_ENV, "1") == "0"
+                   else offstop.unavailable() or "the stopper was still building")
+            return {"how": "stop_trace", "why": why}
+        if self.prof_thread != threading.get_ident():
+            return {"how": "stop_trace", "why": "stopped on another thread than the one that started it"}
+        try:
+            self.finished.clear()
+            self.detached = offstop.detach(lib)
+        except offstop.OffstopError as exc:
+            self.finished.set()
+            return {"how": "stop_trace", "why": f"detach failed: {exc}"}
+        offstop.mark_stopped(self.prof)
+        return {"how": "detached", "detached_unix_ns": time.time_ns()}
 
     # -- export (background thread) -----------------------------------------------------------
     def out_dir(self) -> str:
@@ -547,10 +579,20 @@ class CaptureDriver:
             result["dir"] = d
             trace_bytes = 0
             if self.prof is not None:
-                from aiprof.agent.traceout import release_results, write_trace
+                from aiprof.agent.traceout import finish_detached, release_results, write_trace
 
                 try:
-                    out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER, self.info.get("stop_ms"))
+                    if self.detached is not None:
+                        handle, self.detached = self.detached, None
+                        cuda_dev = (self.info.get("device") or {}).get("index") \
+                            if "cuda" in (self.info.get("activities") or ()) else None
+                        try:
+                            out = finish_detached(offstop.ready(), handle, d, req.max_trace_mb << 20, CLOCK_MARKER,
+                                                  cuda_dev)
+                        finally:
+                            self.finished.set()
+                    else:
+                        out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER, self.info.get("stop_ms"))
                 finally:
                     t0 = time.perf_counter()
                     release_results(self.prof)  # holds the GIL as long as it takes: timed, for the record
@@ -591,6 +633,7 @@ class CaptureDriver:
             result["ok"] = True
             result["steps"] = meta["steps"]["captured"]
         except Exception as exc:
+            self._drop_detached()
             self.prof = None
             why = str(exc) if type(exc).__name__ == "ExportError" else f"{type(exc).__name__}: {exc}"
             result["error"] = f"export failed: {why}"
@@ -604,6 +647,17 @@ class CaptureDriver:
             self.state = IDLE
             self.captures_done += 1
         self._finish(result)
+
+    def _drop_detached(self) -> None:
+        """A detached profiler whose export failed early is still recording: end it, writing nothing."""
+        handle, self.detached = self.detached, None
+        if handle is not None:
+            try:
+                offstop.finish(offstop.ready(), handle, "")
+            except Exception as exc:
+                self.errors.append(f"profiler finish: {type(exc).__name__}: {exc}")
+            finally:
+                self.finished.set()
 
     def _export_native(self, d: str) -> dict[str, Any] | None:
         """The sidecar's files for this capture (calls.csv, syscalls.csv, native.folded), on the
@@ -691,6 +745,7 @@ class CaptureDriver:
             "options": req.to_dict(),
             "activities": self.info.get("activities"),
             "cupti_teardown": self.info.get("cupti_teardown"),  # CUDA captures: CUPTI detached at stop?
+            "stop": self.info.get("stop"),  # how the profiler was stopped (off the training thread?)
             "device": self.info.get("device"),
             "thread": self.info.get("thread"),
             "started_unix_ns": self.t_start_unix_ns,

@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from aiprof.agent import cbuild
 
 #: Default sample period: the issue's 100 µs (10 kHz), fine enough for a 2 ms all-reduce.
 DEFAULT_INTERVAL_US = 100
@@ -53,8 +51,6 @@ MIN_SAMPLES_PER_DECODE = 64
 MAX_ROWS = 600_000
 #: Bound on every wait for the C side (stop joins the decode thread).
 STOP_TIMEOUT_S = 5.0
-#: Compiler run limit (first use only).
-BUILD_TIMEOUT_S = 120
 
 # role -> (column, unit, candidate CUPTI metric names, best first). Columns carry their unit;
 # "_pct" columns are 0-100 of the unit's peak over the sample window. A candidate that counts
@@ -97,18 +93,6 @@ def is_count(metric: str) -> bool:
 
 class PmUnavailable(RuntimeError):
     """PM sampling cannot run here; ``str()`` is the one-line reason for meta.json."""
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    for d in (os.path.join(base, "aiprof"), os.path.join(tempfile.gettempdir(), f"aiprof-cache-{os.getuid()}")):
-        try:
-            os.makedirs(d, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    raise PmUnavailable("no writable cache folder for the PM sampler library")
 
 
 def _nvidia_dirs(sub: str) -> list[str]:
@@ -180,30 +164,14 @@ def build_lib() -> str:
         return pre
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pmsampling.c")
     incs = find_headers()
-    h = hashlib.sha256()
-    with open(src, "rb") as f:
-        h.update(f.read())
-    for d in incs:
-        with open(os.path.join(d, "cupti_pmsampling.h") if os.path.isfile(os.path.join(d, "cupti_pmsampling.h"))
-                  else os.path.join(d, "cuda.h"), "rb") as f:
-            h.update(f.read())
-    out = os.path.join(_cache_dir(), f"pmsampling-{h.hexdigest()[:12]}.so")
-    if os.path.exists(out):
-        return out
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if not cxx:
-        raise PmUnavailable("no C++ compiler (c++, g++ or clang++) to build the PM sampler")
-    tmp = f"{out}.{os.getpid()}.tmp"
-    cmd = [cxx, "-x", "c++", "-shared", "-fPIC", "-O2", "-o", tmp, src] + [f"-I{d}" for d in incs] + ["-ldl", "-lpthread"]
+    headers = [os.path.join(d, "cupti_pmsampling.h") if os.path.isfile(os.path.join(d, "cupti_pmsampling.h"))
+               else os.path.join(d, "cuda.h") for d in incs]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise PmUnavailable(f"building the PM sampler failed: {type(exc).__name__}") from exc
-    if r.returncode != 0:
-        last = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["?"]
-        raise PmUnavailable(f"building the PM sampler failed: {last[0][:200]}")
-    os.replace(tmp, out)
-    return out
+        return cbuild.build_cached("pmsampling", cbuild.digest([src, *headers]),
+                                   ["-x", "c++", "-shared", "-fPIC", "-O2", src, *(f"-I{d}" for d in incs),
+                                    "-ldl", "-lpthread"], "PM sampler")
+    except cbuild.BuildError as exc:
+        raise PmUnavailable(str(exc)) from exc
 
 
 _LIB: Any = None
@@ -302,7 +270,10 @@ def prewarm(device: int) -> dict[str, str]:
 
 
 def _cache_file(chip: str) -> str:
-    return os.path.join(_cache_dir(), f"pm-metrics-{chip or 'unknown'}-v1.json")
+    try:
+        return os.path.join(cbuild.cache_dir(), f"pm-metrics-{chip or 'unknown'}-v1.json")
+    except cbuild.BuildError as exc:
+        raise PmUnavailable(str(exc)) from exc
 
 
 def resolve_metrics(device: int = 0, roles: list[tuple[str, str, list[str]]] | None = None,

@@ -159,8 +159,55 @@ def release_results(prof: Any) -> None:
         inner.kineto_results = None
 
 
+def finish_detached(lib: Any, handle: int, d: str, cap_bytes: int, marker: str,
+                    cuda_device: int | None) -> dict[str, Any]:
+    """Finish a profiler the training thread detached (agent/offstop.py) and write its trace as
+    ``d/trace.json.gz``, on this (export) thread with the GIL released for all of Kineto's work.
+
+    ``cuda_device``: wait for that GPU first, so the captured steps' last kernels have completed
+    when CUPTI's buffers are flushed (this thread waits; the job does not). Returns what
+    :func:`write_trace` does, ``how`` = "offthread", with ``sync_ms`` and ``finish_ms``.
+    Raises ExportError; leaves no partial file.
+    """
+    from aiprof.agent import offstop
+
+    raw, gz = os.path.join(d, "trace.json.tmp"), os.path.join(d, "trace.json.gz")
+    try:
+        t0 = time.perf_counter()
+        if cuda_device is not None:
+            try:
+                import torch
+
+                torch.cuda.synchronize(cuda_device)
+            except Exception:  # noqa: S110 - the finish must run whatever: a profiler left detached records on
+                pass
+        t1 = time.perf_counter()
+        try:
+            offstop.finish(lib, handle, raw)
+        except offstop.OffstopError as exc:
+            raise ExportError(f"finishing the profiler failed: {exc}") from None
+        t2 = time.perf_counter()
+        out = _compress(raw, gz, cap_bytes, marker)
+        return {**out, "how": "offthread", "why": "the training thread detached the profiler; finished here",
+                "sync_ms": round((t1 - t0) * 1e3, 3), "finish_ms": round((t2 - t1) * 1e3, 3),
+                "write_ms": round((time.perf_counter() - t2) * 1e3, 3)}
+    except BaseException:
+        for p in (raw, raw + ".tmp", gz):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        raise
+
+
 def _write(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str) -> dict[str, Any]:
     prof.export_chrome_trace(raw)  # Kineto writes raw + ".tmp", renamed to raw once complete
+    return _compress(raw, gz, cap_bytes, marker)
+
+
+def _compress(raw: str, gz: str, cap_bytes: int, marker: str) -> dict[str, Any]:
+    """Gzip Kineto's JSON ``raw`` into ``gz`` (at most ``cap_bytes``), find the clock marker,
+    remove ``raw``. Returns ``trace_bytes`` and ``marker_ts``."""
     if not os.path.exists(raw) or not _complete_json(raw):
         raise ExportError("Kineto could not write the whole trace JSON (disk full or a file size limit?)")
     n = os.path.getsize(raw)

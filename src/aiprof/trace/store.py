@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from aiprof import npx
 from aiprof.errors import TraceError
 from aiprof.trace.builder import empty_table
+from aiprof.trace.clip import capture_end_ns, clip_after
 from aiprof.trace.hwcsv import hw_path_for, pm_path_for, read_hw_csv, read_pm_csv
 from aiprof.trace.nativecsv import native_paths_for, read_native
 from aiprof.trace.kineto import TABLES, read_trace
@@ -159,7 +160,8 @@ def _fingerprint(path: str) -> dict:
 CAPTURE_META = "meta.json"
 CAPTURE_SCHEMA = "aiprof.capture/1"
 # What the analysis keeps of the agent's meta.json (the rest is for the service and the user).
-_CAPTURE_KEYS = ("capture_id", "origin", "trigger", "mode", "options", "steps", "device", "activities", "native")
+_CAPTURE_KEYS = ("capture_id", "origin", "trigger", "mode", "options", "steps", "device", "activities", "native",
+                 "stop", "clock")
 
 
 def _capture_meta_path(trace_path: str) -> str | None:
@@ -306,8 +308,12 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
             parsed.tables[name] = read_native(p, name)
         except (OSError, UnicodeDecodeError, csv.Error) as exc:
             print(f"aiprof: warning: {p}: native {name} skipped ({exc})", file=sys.stderr)
+    capture = read_capture_meta(path)
+    end = capture_end_ns(capture)
+    clipped = clip_after(parsed.tables, end) if end is not None else 0
     meta = _trace_meta(path, parsed.meta, parsed.tables, index)
-    meta["capture"] = read_capture_meta(path)
+    meta["capture"] = capture
+    meta["rows_after_capture_end"] = clipped  # dropped: the job's next step (trace/clip.py)
     meta["source"] = fp
     meta["rows"] = {name: len(t) for name, t in parsed.tables.items()}
     meta["events"] = parsed.n_events

@@ -1,0 +1,78 @@
+"""Ending a capture off the training thread (agent/offstop.py), with real jobs under aiprof run.
+
+The training thread only detaches the profiler; the export thread finishes it (Kineto's
+post-processing) and writes the trace. What the tests hold, without timing: the stopper builds
+here, a capture ends detached and is complete, the store drops what was recorded after the
+detach, and every way the stopper can be missing falls back to torch's own stop."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from capsupport import PY, SCRIPTS, aiprof, env_with, load_meta, load_trace, profiler_steps, rank_dirs
+
+from aiprof.agent import offstop
+from aiprof.trace.clip import capture_end_ns
+from aiprof.trace.store import open_capture
+
+GATED = SCRIPTS / "gated_train.py"
+
+
+def test_the_stopper_builds_and_loads_against_this_torch():
+    path = offstop.build()  # tests/conftest.py built it already: this is the cached copy
+    assert os.path.isfile(path)
+    offstop.prepare()  # built: loads at once, on this thread
+    assert offstop.ready() is not None, offstop.unavailable()
+
+
+def test_a_capture_ends_detached_and_the_store_drops_what_came_after(rt, tmp_path):
+    out = tmp_path / "caps"
+    res = aiprof(rt, "run", "--skip", "2", "--iterations", "3", "--what", "kernels,python", "--out", str(out),
+                 "--capture-id", "c", "--", PY, str(GATED), "--steps", "30")
+    assert res.returncode == 0, res.stderr[-3000:]
+    (d,) = rank_dirs(out, "c")
+    meta = load_meta(d)
+    assert meta["stop"]["how"] == "detached", meta["stop"]
+    assert meta["export"]["how"] == "offthread" and meta["export"]["finish_ms"] > 0, meta["export"]
+    assert meta["export"]["stop_ms"] < meta["export"]["finish_ms"]  # the training thread's part is the small one
+    trace = load_trace(d)
+    assert profiler_steps(trace) == [2, 3, 4]
+    cap = open_capture(str(d), use_cache=False)
+    (r,) = cap.ranks
+    end = capture_end_ns(r.meta["capture"])
+    assert end is not None
+    for name in ("ops", "python", "annotations"):
+        t = r.table(name)
+        assert not len(t) or (t["ts"] <= end).all(), name
+    # the ProfilerStep annotations are all before the end; the detach came after the last one ended
+    steps = r.table("annotations")
+    names = steps.strings("name").values()
+    last = np.flatnonzero(names == "ProfilerStep#4")[0]
+    slack_ns = 1000 * meta["clock"]["uncertainty_us"] + 1_000_000  # the clock mapping's own error, and a ms
+    assert steps["ts"][last] + steps["dur"][last] <= end + slack_ns
+
+
+def test_without_the_stopper_the_capture_stops_the_old_way(rt, tmp_path):
+    """A compiler that fails and an empty cache: the stopper cannot be built; the capture stops
+    on the training thread (torch's stop_trace), is complete, and meta.json says why."""
+    out = tmp_path / "caps"
+    env = env_with(rt, CXX="false", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    res = aiprof(rt, "run", "--skip", "2", "--iterations", "2", "--out", str(out), "--capture-id", "c", "--",
+                 PY, str(GATED), "--steps", "12", env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (d,) = rank_dirs(out, "c")
+    meta = load_meta(d)
+    assert meta["stop"]["how"] == "stop_trace", meta["stop"]
+    assert meta["stop"]["why"] in ("the stopper was still building",) or "profiler stopper" in meta["stop"]["why"]
+    assert meta["export"]["how"] in ("thread", "fork") and profiler_steps(load_trace(d)) == [2, 3]
+
+
+def test_offstop_0_keeps_torchs_own_stop(rt, tmp_path):
+    out = tmp_path / "caps"
+    res = aiprof(rt, "run", "--skip", "2", "--iterations", "2", "--out", str(out), "--capture-id", "c", "--",
+                 PY, str(GATED), "--steps", "12", env=env_with(rt, AIPROF_OFFSTOP="0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    (d,) = rank_dirs(out, "c")
+    meta = load_meta(d)
+    assert meta["stop"] == {"how": "stop_trace", "why": "AIPROF_OFFSTOP=0"}
+    assert profiler_steps(load_trace(d)) == [2, 3]
