@@ -11,11 +11,13 @@ main thread through a pending call for time-based captures: never from the agent
 Each recorded iteration is wrapped in a ``ProfilerStep#<k>`` record_function, ``k`` being the
 job's own iteration number, so all ranks of a job name the same iteration the same way.
 
-Export runs off the training thread: the trace (Kineto JSON, gzipped) on a background thread,
-or for a large trace in a forked child (agent/traceout.py: Kineto's writer holds the GIL), then
-hw.csv and meta.json; meta.json is written last, so its presence means the capture is complete.
-The training thread itself pays ``stop_trace`` (Kineto's post-processing); meta.json's
-``export`` records it and the rest (stop_ms, how, why, fork_ms, write_ms, release_ms).
+The stop itself is a detach (agent/offstop.py): the training thread takes the profiler's state
+out of its thread-local slot (microseconds) and the export thread finishes it, Kineto's
+post-processing and the trace's save running there with the GIL released. Where the stopper
+is unavailable the training thread runs torch's ``stop_trace`` and the trace is written on the
+export thread, or for a large one in a forked child (agent/traceout.py: Kineto's writer holds
+the GIL). Then hw.csv and meta.json; meta.json is written last, so its presence means the
+capture is complete. meta.json's ``stop`` and ``export`` record how and what it cost.
 """
 from __future__ import annotations
 

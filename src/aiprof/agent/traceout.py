@@ -1,5 +1,9 @@
 """Writing a stopped profiler's trace (trace.json.gz) without holding up the training thread.
 
+The shipped path finishes a profiler the training thread detached (:func:`finish_detached`,
+agent/offstop.py): Kineto's post-processing and save run on the export thread with the GIL
+released. What follows is the fallback, for a profiler stopped with torch's ``stop_trace``.
+
 torch's ``export_chrome_trace`` (Kineto's ``save``) and the release of the profiler's results
 are C++ calls that hold the GIL from start to end, during which the training thread cannot run
 a line of Python, whichever thread makes the call. A forked child can write instead: a copy of
