@@ -7,8 +7,8 @@ bucket, the later it starts and the more of its transfer is left once the backwa
 ended (with one bucket per step, nothing overlaps: the whole all-reduce sits between the last
 backward kernel and the optimizer). Smaller buckets start while the backward is still running.
 
-Evidence: the rank's GPU all-reduces matched across the job (ids, sizes from the trace's
-collective arguments), each one's *last arrival* (the latest rank's start, so the time ranks
+Evidence: the rank's GPU all-reduces matched across the job and launched from a gradient hook
+(inside an autograd op: sizes from the trace's collective arguments), each one's *last arrival* (the latest rank's start, so the time ranks
 wait for a slower peer is left out: that is STRAGGLER) and its *transfer* time (the last
 arriver's start-to-end: ``diagnosis/job.py``), the backward-pass starts (the first autograd op
 of each backward), and the largest gradient (``AccumulateGrad`` shapes, when recorded): a
@@ -106,12 +106,24 @@ def _pass_gpu_starts(f: RankFacts) -> np.ndarray:
 
 
 def _rank_collectives(f: RankFacts) -> dict[int, tuple[float, float]]:
-    """Matched GPU collective id -> (host launch, GPU start), rank clock."""
+    """Matched GPU collective id -> (host launch, GPU start), rank clock: only those launched
+    from inside an autograd op (a gradient hook: DDP's buckets), not a forward's tensor-parallel
+    all-reduce or the user's own collectives, whose data is not produced during a backward."""
     g = f.graph
-    if g.o_coll is None:
+    o = f.rt.table("ops")
+    if g.o_coll is None or not len(o):
         return {}
-    co = np.nonzero(g.o_coll >= 0)[0]
-    return {int(g.o_coll[j]): (float(g.a_ts[g.o_action[j]]), float(g.o_ts[j])) for j in co}
+    bw = o.strings("name").isin_labels(lambda s: s.startswith(_BACKWARD_OP))
+    s, e = o["ts"][bw], o["ts"][bw] + o["dur"][bw]
+    order = np.argsort(s, kind="stable")
+    s, reach = s[order], np.maximum.accumulate(e[order])  # latest end among ops started so far
+    out = {}
+    for j in np.nonzero(g.o_coll >= 0)[0]:
+        h = float(g.a_ts[g.o_action[j]])
+        p = int(np.searchsorted(s, h, side="right")) - 1
+        if p >= 0 and reach[p] >= h:
+            out[int(g.o_coll[j])] = (h, float(g.o_ts[j]))
+    return out
 
 
 def split_schedule(ready_from: np.ndarray, arrive: np.ndarray, transfer: np.ndarray, nbytes: np.ndarray,
