@@ -235,11 +235,10 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
                    f"starts {ms(float(arrive[top] - ready_from[top]))} after its first gradient could have been sent and "
                    f"then takes {ms(float(transfer[top]))} at {algbw:.0f} GB/s; cut into {mb} MB buckets, all but the "
                    f"last piece would move while the backward still computes."),
-        remedy=(f"Use smaller gradient buckets: DistributedDataParallel(model, bucket_cap_mb={mb}) (remove a larger "
-                f"bucket_cap_mb; {mb} MB moves in ~{ms(piece / algbw + NVLINK_LATENCY_NS)} at the measured "
-                f"{algbw:.0f} GB/s, a tail under {TAIL_TARGET_SHARE:.0%} of the step). With FSDP, keep "
-                f"backward_prefetch=BackwardPrefetch.BACKWARD_PRE and forward_prefetch=True so the next all-gather "
-                f"overlaps the current layer."),
+        remedy=(f"Use smaller gradient buckets: DistributedDataParallel(model, bucket_cap_mb={mb}) in place of the "
+                f"larger setting ({mb} MB moves in ~{ms(piece / algbw + NVLINK_LATENCY_NS)} at the measured "
+                f"{algbw:.0f} GB/s: the bucket left after the last backward kernel costs under "
+                f"{TAIL_TARGET_SHARE:.0%} of the step)."),
         place=Place("collective", f"AllReduce of {nbytes[top] / _MB:.0f} MB (DDP gradient bucket)", "", [], []),
         evidence={"buckets_per_step": n_buckets, "bucket_mb": sorted({round(float(b) / _MB, 1) for b in nbytes}),
                   "algbw_gbps": algbw, "derived_bucket_mb": mb, "largest_gradient_mb": unsplit / _MB,
