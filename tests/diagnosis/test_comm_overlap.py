@@ -124,3 +124,18 @@ def test_derived_bucket_size():
     assert comm_overlap.derived_bucket_bytes(300.0, 5e6, 20e3) == pytest.approx(24e6)
     # a slow link: 20 GB/s, 50 ms step: 10 MB
     assert comm_overlap.derived_bucket_bytes(20.0, 50e6, 20e3) == pytest.approx(10e6)
+
+
+def test_every_ddp_bucket_is_launched_from_a_gradient_hook(copies, monkeypatch):
+    # DDP launches each bucket's all-reduce from its autograd hook: all 13 x 4 of ddp2's, on both
+    # ranks, count as buckets (a forward's collectives would not)
+    seen = {}
+    orig = comm_overlap.detect_job
+
+    def keep(facts, pricer, columns):
+        for f in facts:
+            seen[f.rank] = (len(comm_overlap._rank_collectives(f)), int((f.graph.o_coll >= 0).sum()))
+        return orig(facts, pricer, columns)
+    monkeypatch.setattr(comm_overlap, "detect_job", keep)
+    build_report(open_capture([str(copies / n) for n in DDP2]))
+    assert seen == {0: (52, 52), 1: (52, 52)}
