@@ -7,6 +7,7 @@ the host regions the specific detectors before it claimed.
 """
 from aiprof.diagnosis.causes import (
     allocator_churn,
+    comm_overlap,
     dataloader,
     decode_launch_bound,
     host_preprocessing,
@@ -33,3 +34,5 @@ RANK_DETECTORS = (allocator_churn, new_shapes, unfused_optimizer, host_sync, pag
                   matmul_precision, idle_sms, decode_launch_bound, launch_bound)
 # Detectors whose remedy would also hide the specific causes' symptoms: priced after those.
 GENERIC = (launch_bound,)
+# Job-level detectors, ``detect_job(facts, pricer, columns)``: run when collectives couple the ranks.
+JOB_DETECTORS = (comm_overlap,)
