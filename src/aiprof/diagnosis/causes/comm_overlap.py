@@ -32,7 +32,7 @@ from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.diagnosis.causes.common import ms
 from aiprof.diagnosis.causes.slow_interconnect import (
     NVLINK_LATENCY_NS,
-    _collective_bytes,
+    collective_bytes,
 )
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import EXPOSED_COMM, MIN_REPORTED_SHARE, Cause, Claim, Place
@@ -181,7 +181,7 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
                    dtype=np.int64)
     if not len(ids):
         return []
-    nbytes, types = _collective_bytes(f0, rc, ix_all[ids])
+    nbytes, types = collective_bytes(f0, rc, ix_all[ids])
     keep = (nbytes > 0) & np.array([t == "AllReduce" for t in types])
     ids, nbytes = ids[keep], nbytes[keep]
     if not len(ids):

@@ -41,7 +41,7 @@ NVLINK_LATENCY_NS = 20_000.0
 _NS_PER_S = 1e9
 
 
-def _collective_bytes(f: RankFacts, rc, ix: np.ndarray) -> tuple[np.ndarray, list[str]]:
+def collective_bytes(f: RankFacts, rc, ix: np.ndarray) -> tuple[np.ndarray, list[str]]:
     """Message bytes and type of the rank's matched collectives ``ix`` (indices into ``rc``), from
     the trace's GPU-side collective rows that start when they do (0 bytes when unknown)."""
     c = f.rt.collectives
@@ -83,7 +83,7 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
         return []
     ids = np.array(sorted(transfer), dtype=np.int64)
     ids = ids[ix_all[ids] >= 0]
-    nbytes, types = _collective_bytes(f0, rc, ix_all[ids])
+    nbytes, types = collective_bytes(f0, rc, ix_all[ids])
     t_ns = np.array([transfer[int(c)] for c in ids], dtype=np.float64)
     fac = np.array([BUSBW_FACTOR.get(t, lambda n: 1.0)(n_ranks) for t in types])
     with np.errstate(divide="ignore", invalid="ignore"):
