@@ -17,11 +17,14 @@ its loss does) and is timed on the host. Each round: --before steps, a kernels c
   writer can land in the stop step itself: the export thread may take the GIL as it starts);
 - the agent's own timings from meta.json's ``export`` (stop_ms, fork_ms, write_ms, release_ms).
 
-Four modes, rotated round by round so drift hits all alike, after one warm-up capture that is
+Five modes, rotated round by round so drift hits all alike, after one warm-up capture that is
 not counted (CUPTI initialisation and the stopper's build):
 
 - ``offthread``: as shipped: the training thread only detaches the profiler; the export thread
-  finishes it and writes the trace with the GIL released (agent/offstop.py);
+  stops CUPTI's recording once the GPU is done, finishes the profiler and writes the trace with
+  the GIL released (agent/offstop.py);
+- ``offthread-late``: the same, but CUPTI records on until torch's ``disableProfiler`` stops it
+  (after its op post-processing: the job's next steps pay CUPTI's per-call cost meanwhile);
 - ``auto``: the path before (``AIPROF_OFFSTOP=0``): Kineto's ``stop_trace`` on the training
   thread, then a forked child writes a large trace, the export thread a small one
   (agent/traceout.py; meta.json's ``export.why`` says which and why);
@@ -57,12 +60,15 @@ from aiprof.agent.bootstrap import ensure_agent
 from aiprof.agent import offstop
 from aiprof.agent.capture import OFFSTOP_ENV
 from aiprof.agent.config import CaptureRequest
-from aiprof.agent.traceout import FORK_ENV
+from aiprof.agent.traceout import CUPTI_FIRST_ENV, FORK_ENV
 
 MAX_EXTRA_STEPS = 2000  # steps run after --after while waiting for an export to finish
 SERIES_BEFORE = 5  # steps before the stop step kept in each round's series
-# bench mode -> (AIPROF_OFFSTOP, AIPROF_EXPORT_FORK)
-MODES = {"offthread": ("1", "auto"), "auto": ("0", "auto"), "fork": ("0", "1"), "thread": ("0", "0")}
+# bench mode -> the environment that selects it
+MODES = {"offthread": {OFFSTOP_ENV: "1", CUPTI_FIRST_ENV: "1", FORK_ENV: "auto"},
+         "offthread-late": {OFFSTOP_ENV: "1", CUPTI_FIRST_ENV: "0", FORK_ENV: "auto"},
+         "auto": {OFFSTOP_ENV: "0", FORK_ENV: "auto"}, "fork": {OFFSTOP_ENV: "0", FORK_ENV: "1"},
+         "thread": {OFFSTOP_ENV: "0", FORK_ENV: "0"}}
 BUILD_WAIT_S = 180.0  # the stopper's first build (seconds; minutes on a loaded 2-core machine)
 DEEP_LAYERS = 120  # --model deep: ~2,000 profiled ops per step, a GPU-sized trace from a CPU job
 
@@ -86,7 +92,7 @@ def build(model: str, device: str):
 
 def one_round(agent, step, device: str, mode: str, name: str, args, caps: str) -> dict:
     """Steps before, one capture, steps until its export finished; the series and summaries."""
-    os.environ[OFFSTOP_ENV], os.environ[FORK_ENV] = MODES[mode]
+    os.environ.update(MODES[mode])
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: list[float] = []
     counts: list[int] = []

@@ -16,7 +16,7 @@ def test_capture_stall_bench_smoke_run(rt, tmp_path):
     out = json.loads((tmp_path / "capture_stall.json").read_text())
     assert out["device"] == "cpu" and out["model"] == "tiny"
     rounds = {r["mode"]: r for r in out["rounds"]}
-    assert sorted(rounds) == ["auto", "fork", "offthread", "thread", "warmup"]
+    assert sorted(rounds) == ["auto", "fork", "offthread", "offthread-late", "thread", "warmup"]
     assert rounds["fork"]["export"]["how"] == "fork" and rounds["thread"]["export"]["how"] == "thread"
     # the shipped path: the training thread only detached the profiler; the export thread finished it
     assert rounds["offthread"]["export"]["how"] == "offthread", rounds["offthread"]["export"]
@@ -26,5 +26,5 @@ def test_capture_stall_bench_smoke_run(rt, tmp_path):
         i = r["series_stop_index"]
         assert r["series_ms"][i] == r["stop_step_ms"] and r["series_ms"][i + 1] == r["first_after_ms"]
         assert len(r["series_ms"]) == i + 1 + 4
-    assert set(out["summary_median_over_rounds"]) == {"auto", "fork", "offthread", "thread"}
+    assert set(out["summary_median_over_rounds"]) == {"auto", "fork", "offthread", "offthread-late", "thread"}
     assert "results:" in res.stdout and not list(tmp_path.glob("captures"))

@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 
+#include <dlfcn.h>
+
 #include <cstdio>
 #include <exception>
 #include <memory>
@@ -24,6 +26,34 @@ void say(char* buf, size_t n, const char* what) {
   if (buf && n) {
     std::snprintf(buf, n, "%s", what);
   }
+}
+// CUPTI activity kinds Kineto enables for a CUDA capture (cupti_activity.h): MEMCPY, MEMSET,
+// KERNEL, DRIVER, RUNTIME, CONCURRENT_KERNEL.
+const int kActivityKinds[] = {1, 2, 3, 4, 5, 10};
+
+// Stop CUPTI recording new CUDA work now. disableProfiler() stops it only after turning the
+// recorded ops into events (a few hundred ms), while the job's next steps pay CUPTI's cost per
+// CUDA call; records of work already done stay in CUPTI's buffers for Kineto's flush (Kineto
+// itself disables before it flushes). Returns how many kinds were disabled (0: no libcupti).
+int stop_cupti_recording() {
+  const char* names[] = {"libcupti.so.13", "libcupti.so.12", "libcupti.so"};
+  for (const char* name : names) {
+    void* lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);  // only the copy the process already runs
+    if (!lib) {
+      continue;
+    }
+    using Disable = int (*)(int);
+    auto disable = reinterpret_cast<Disable>(dlsym(lib, "cuptiActivityDisable"));
+    int n = 0;
+    if (disable) {
+      for (int kind : kActivityKinds) {
+        n += disable(kind) == 0;
+      }
+    }
+    dlclose(lib);
+    return n;
+  }
+  return 0;
 }
 }  // namespace
 
@@ -50,8 +80,9 @@ void* aiprof_detach(char* err, size_t n) {
 }
 
 // On any other thread: finish the detached profiler (Kineto's post-processing) and write its
-// Chrome trace to path (nothing written for an empty path). Frees the handle. 0 when done.
-int aiprof_finish(void* handle, const char* path, char* err, size_t n) {
+// Chrome trace to path (nothing written for an empty path). With cupti_first, CUPTI stops
+// recording before the post-processing starts. Frees the handle. 0 when done.
+int aiprof_finish(void* handle, const char* path, int cupti_first, char* err, size_t n) {
   Held* held = static_cast<Held*>(handle);
   if (!held) {
     say(err, n, "no handle");
@@ -61,6 +92,9 @@ int aiprof_finish(void* handle, const char* path, char* err, size_t n) {
     c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, *held);
     delete held;
     held = nullptr;
+    if (cupti_first) {
+      stop_cupti_recording();
+    }
     auto result = torch::autograd::profiler::disableProfiler();
     if (result && path && *path) {
       result->save(path);

@@ -78,7 +78,8 @@ def _load() -> Any:
             lib.aiprof_detach.restype = ctypes.c_void_p
             lib.aiprof_detach.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
             lib.aiprof_finish.restype = ctypes.c_int
-            lib.aiprof_finish.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+            lib.aiprof_finish.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                          ctypes.c_size_t]
             _lib = lib
         except cbuild.BuildError as exc:
             _error = str(exc)
@@ -134,11 +135,13 @@ def detach(lib: Any) -> int:
     return int(handle)
 
 
-def finish(lib: Any, handle: int, path: str) -> None:
+def finish(lib: Any, handle: int, path: str, cupti_first: bool = False) -> None:
     """On any other thread: Kineto's post-processing, then the Chrome trace written to ``path``
-    (GIL released throughout). The handle is consumed. Raises :class:`OffstopError`."""
+    (GIL released throughout). ``cupti_first``: stop CUPTI's recording of new CUDA work before
+    the post-processing (call it only once the GPU has finished the captured work). The handle
+    is consumed. Raises :class:`OffstopError`."""
     err = ctypes.create_string_buffer(ERR_BYTES)
-    if lib.aiprof_finish(ctypes.c_void_p(handle), path.encode(), err, ERR_BYTES) != 0:
+    if lib.aiprof_finish(ctypes.c_void_p(handle), path.encode(), int(cupti_first), err, ERR_BYTES) != 0:
         raise OffstopError(err.value.decode(errors="replace") or "finish failed")
 
 

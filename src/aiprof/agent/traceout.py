@@ -35,6 +35,8 @@ import time
 import warnings
 from typing import Any
 
+# 0: leave CUPTI recording until torch's disableProfiler stops it (after its op post-processing)
+CUPTI_FIRST_ENV = "AIPROF_OFFSTOP_CUPTI_FIRST"
 FORK_ENV = "AIPROF_EXPORT_FORK"  # auto (default) | 1: always fork | 0: write on the export thread
 # auto: the save costs about as much GIL time as Kineto's stop_trace (CPU, torch 2.13: save 90-120 ms
 # after a 114-190 ms stop), so fork when that estimate is at least FORK_GAIN x the fork's own cost
@@ -186,13 +188,15 @@ def finish_detached(lib: Any, handle: int, d: str, cap_bytes: int, marker: str,
             except Exception:  # noqa: S110 - the finish must run whatever: a profiler left detached records on
                 pass
         t1 = time.perf_counter()
+        early = cuda_device is not None and os.environ.get(CUPTI_FIRST_ENV, "1") != "0"
         try:
-            offstop.finish(lib, handle, raw)
+            offstop.finish(lib, handle, raw, cupti_first=early)
         except offstop.OffstopError as exc:
             raise ExportError(f"finishing the profiler failed: {exc}") from None
         t2 = time.perf_counter()
         out = _compress(raw, gz, cap_bytes, marker)
         return {**out, "how": "offthread", "why": "the training thread detached the profiler; finished here",
+                "cupti_first": early,
                 "sync_ms": round((t1 - t0) * 1e3, 3), "finish_ms": round((t2 - t1) * 1e3, 3),
                 "write_ms": round((time.perf_counter() - t2) * 1e3, 3)}
     except BaseException:
