@@ -216,10 +216,11 @@ def grid_places(f: RankFacts, sel: np.ndarray) -> dict[tuple[str, str], np.ndarr
     return {k: np.array(v, dtype=np.int64) for k, v in groups.items()}
 
 
-def grid_causes(f: RankFacts, skip_families: set | None = None, max_fill: float = MAX_GRID_FILL) -> list[Cause]:
+def grid_causes(f: RankFacts, skip_families: set | None = None, max_fill: float = MAX_GRID_FILL,
+                min_share: float = MIN_REPORTED_SHARE, max_places: int = MAX_GRID_PLACES) -> list[Cause]:
     """Causes from the launch configuration: one per place whose under-filled kernels could save
-    at least the reported share of a step if spread over every SM (the upper bound), the
-    ``MAX_GRID_PLACES`` largest."""
+    at least ``min_share`` of a step if spread over every SM (the upper bound: a smaller one can
+    never be reported), the ``max_places`` largest."""
     g = f.graph
     sel = underfilled(f, max_fill, skip_families)
     if not sel.any():
@@ -229,10 +230,10 @@ def grid_causes(f: RankFacts, skip_families: set | None = None, max_fill: float 
     new[sel] = spread_durations(f, sel, fill[sel])
     saved = np.where(sel, g.o_dur - np.nan_to_num(new), 0.0)
     per = max(len(f.steps), 1)
-    floor_ns = MIN_REPORTED_SHARE * f.step_ns * per  # the bound a place needs over the window
+    floor_ns = min_share * f.step_ns * per  # the bound a place needs over the window
     places = sorted(((float(saved[ix].sum()), key, ix) for key, ix in grid_places(f, sel).items()),
                     key=lambda t: -t[0])
-    return [_grid_cause(f, key, ix, fill, new) for bound, key, ix in places[:MAX_GRID_PLACES] if bound >= floor_ns]
+    return [_grid_cause(f, key, ix, fill, new) for bound, key, ix in places[:max_places] if bound >= floor_ns]
 
 
 def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.ndarray, new: np.ndarray) -> Cause:
