@@ -179,39 +179,51 @@ def underfilled(f: RankFacts, max_fill: float = MAX_GRID_FILL, skip_families: se
     return sel
 
 
-def _origin(f: RankFacts, node: int) -> tuple[str, str, int]:
-    """(user site, innermost op name, user frame node if the user's function issues the op
-    itself else -1) of a launch's tree node."""
-    tree = f.tree
-    if node < 0:
-        return "", "", -1
-    op_node = int(tree.nearest(np.array([node]), OP)[0])
-    op = tree.name(op_node) if op_node >= 0 else ""
-    thin = True
-    for n in tree.ancestors(node):
-        if tree.kind[n] != PYTHON:
-            continue
-        name = tree.name(n)
-        if not is_library_frame(name):
-            return name, op, (n if thin else -1)
-        thin = thin and name.startswith(_THIN_FRAMES)
-    return "", op, -1
+def _user_frames(f: RankFacts) -> tuple[np.ndarray, np.ndarray]:
+    """Per tree node: the nearest user frame at or above it (-1: none), and whether every Python
+    frame between that frame and the node is a thin wrapper (the user's function issues the op
+    itself). One vectorised pass per tree depth, cached."""
+    if "_user_frames" not in f.extra:
+        tree = f.tree
+        py = tree.kind == PYTHON if len(tree) else np.zeros(0, dtype=bool)
+        user = py & f.node_mask(lambda s: not is_library_frame(s), (PYTHON,))
+        neutral = ~py | f.node_mask(lambda s: s.startswith(_THIN_FRAMES), (PYTHON,))
+        frame = np.where(user, np.arange(len(tree)), -1)
+        thin = user | neutral
+        for idx in f._by_depth():
+            p = tree.parent[idx]
+            inherit = ~user[idx]
+            frame[idx] = np.where(inherit, frame[p], idx)
+            thin[idx] = np.where(inherit, thin[p] & neutral[idx], True)
+        f.extra["_user_frames"] = (frame, thin & (frame >= 0))
+    return f.extra["_user_frames"]
+
+
+def _origins(f: RankFacts, ix: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per replay op of ``ix``: the user frame above its launch (-1: none), whether the user's
+    function issues it itself, and the innermost op that launched it (-1: none)."""
+    nodes = f.action_nodes()[f.graph.o_action[ix]]
+    ok = nodes >= 0
+    frame, direct = np.full(len(ix), -1, np.int64), np.zeros(len(ix), dtype=bool)
+    op = np.full(len(ix), -1, np.int64)
+    if ok.any():
+        uf, th = _user_frames(f)
+        frame[ok], direct[ok] = uf[nodes[ok]], th[nodes[ok]]
+        op[ok] = f.tree.nearest(nodes[ok], OP)
+    return frame, direct, op
 
 
 def grid_places(f: RankFacts, sel: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
     """The under-filled ops ``sel`` grouped by place: ("python", user site) for ops the user's
     function issues itself, else ("op", launching op) (the kernel family when no op is known)."""
-    g = f.graph
     idx = np.nonzero(sel)[0]
-    nodes = f.action_nodes()[g.o_action[idx]]
+    frame, direct, op = _origins(f, idx)
     fams = _families(f)
-    memo: dict[int, tuple] = {}
+    tree = f.tree
+    keys = [("python", tree.name(int(u))) if d else ("op", tree.name(int(o)) if o >= 0 else fams[i])
+            for i, u, d, o in zip(idx.tolist(), frame.tolist(), direct.tolist(), op.tolist())]
     groups: dict[tuple[str, str], list[int]] = defaultdict(list)
-    for i, n in zip(idx.tolist(), nodes.tolist()):
-        if n not in memo:
-            memo[n] = _origin(f, n)
-        site, op, direct = memo[n]
-        key = ("python", site) if direct >= 0 else ("op", op or fams[i])
+    for i, key in zip(idx.tolist(), keys):
         groups[key].append(i)
     return {k: np.array(v, dtype=np.int64) for k, v in groups.items()}
 
@@ -256,17 +268,18 @@ def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.nda
     # one call of the user's function issuing the same kernel again and again: a loop
     kind, where = key
     nodes = f.action_nodes()[g.o_action[ix]]
-    memo = {int(n): _origin(f, int(n)) for n in np.unique(nodes)}
-    frame = np.array([memo[int(n)][2] for n in nodes])
+    frame, _, _ = _origins(f, ix)
     repeats, rep_blocks = 0, top_blocks
-    if kind == "python":
+    if kind == "python":  # frame: the call of the user's function each launch came from
         pairs, counts = np.unique(np.stack([frame, code]), axis=1, return_counts=True)
         j = int(np.argmax(counts))
         repeats = int(counts[j])
         rep_blocks = int(np.median(blocks[(frame == pairs[0, j]) & (code == pairs[1, j])]))
         top_name = names.labels[int(pairs[1, j])] if repeats >= LOOP_MIN_REPEATS else top_name
     loop = repeats >= LOOP_MIN_REPEATS
-    site = where if kind == "python" else next((s for s, _, _ in memo.values() if s), "")
+    users = frame[frame >= 0]
+    site = where if kind == "python" else (
+        f.tree.labels[int(np.bincount(f.tree.code[users]).argmax())] if len(users) else "")
     rep_node = int(nodes[np.argmax(dur)])
     stack = f.tree.stack(rep_node)[-6:] if rep_node >= 0 else []
     kshort = kernel_family(top_name)[:60]
