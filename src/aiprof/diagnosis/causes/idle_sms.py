@@ -245,10 +245,11 @@ def grid_causes(f: RankFacts, skip_families: set | None = None, max_fill: float 
     floor_ns = min_share * f.step_ns * per  # the bound a place needs over the window
     places = sorted(((float(saved[ix].sum()), key, ix) for key, ix in grid_places(f, sel).items()),
                     key=lambda t: -t[0])
-    return [_grid_cause(f, key, ix, fill, new) for bound, key, ix in places[:max_places] if bound >= floor_ns]
+    return [_grid_cause(f, key, ix, fill, new, max_fill) for bound, key, ix in places[:max_places] if bound >= floor_ns]
 
 
-def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.ndarray, new: np.ndarray) -> Cause:
+def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.ndarray, new: np.ndarray,
+                max_fill: float) -> Cause:
     g = f.graph
     sms = sm_count(f)
     per = max(len(f.steps), 1)
@@ -305,6 +306,8 @@ def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.nda
                   "are independent, batch them into one call or overlap them on another CUDA stream.")
     in_nodes = np.zeros(len(f.tree), dtype=bool)
     in_nodes[nodes[nodes >= 0]] = True
+    e = f.edit(CODE)
+    e.op_dur[ix] = new[ix]
     return Cause(
         code=CODE, rank=f.rank,
         title=(f"{ms(kern_ns / per)} per step in {len(ix) / per:.0f} under-filled kernels launched by {where[:80]}: "
@@ -319,11 +322,5 @@ def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.nda
                   "kernel_us_per_step": kern_ns / per / 1e3, "idle_sm_bound_us_per_step": bound_ns / per / 1e3,
                   "sm_fill": wfill, "blocks_median": int(np.median(blocks)), "kernels": kernels,
                   "repeats_per_call": repeats, "batched_blocks": repeats * rep_blocks if loop else None,
-                  "loop": loop, "max_grid_fill": MAX_GRID_FILL},
-        edit=_edit(f, ix, new))
-
-
-def _edit(f: RankFacts, ix: np.ndarray, new: np.ndarray):
-    e = f.edit(CODE)
-    e.op_dur[ix] = new[ix]
-    return e
+                  "loop": loop, "max_grid_fill": max_fill},
+        edit=e)
