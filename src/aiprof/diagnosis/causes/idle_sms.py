@@ -314,8 +314,7 @@ def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.nda
                f"{top_blocks} thread blocks for {sms} SMs leave {100 * (1 - min(wfill, 1.0)):.0f}% of the GPU idle "
                "while they run"),
         mechanism=("These kernels launch fewer thread blocks than the GPU has SMs, so most SMs have no work while they "
-                   "run and their duration is set by the busy few; one after another, they keep the GPU busy but "
-                   "mostly idle."),
+                   "run and their duration is set by the busy few: the GPU counts as busy but is mostly idle."),
         remedy=remedy,
         place=Place(kind, where, site, stack, steps_with(f, in_nodes)),
         evidence={"source": "launch configuration", "sms": sms, "kernels_per_step": len(ix) / per,
