@@ -367,6 +367,38 @@ def dataloader_starved():
     return make, "DATALOADER_STARVED", "DataLoader(num_workers=6, pin_memory=True)"
 
 
+def underfilled(heads: int = 64, rows: int = 8, keys: int = 262144, dim: int = 32):
+    """Attention of a few query rows over a long context, computed head by head in a Python loop.
+
+    Each head's softmax runs one thread block per query row: 8 blocks on the H100's 132 SMs, each
+    streaming a 512 KB row (tens of µs a kernel, so the GPU, not the host's ~6 launches per head,
+    sets the pace), 64 times a step, back to back: the GPU busy but mostly idle. The two matmuls
+    per head read K and V once whichever way they run (memory-bound; D=32 keeps them the smaller
+    part). Fix: the same math batched over the heads (one bmm, one softmax over all 512 rows, one
+    bmm).
+    """
+    def make(fault):
+        torch.manual_seed(0)
+        q = torch.randn(heads, rows, dim, device=DEV, dtype=torch.bfloat16) / dim ** 0.5
+        k = torch.randn(heads, keys, dim, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn(heads, keys, dim, device=DEV, dtype=torch.bfloat16)
+        kt = k.transpose(1, 2)  # [heads, dim, keys], a view
+
+        if fault:
+            def step(i):
+                out = []
+                for h in range(heads):
+                    p = torch.softmax(q[h] @ kt[h], dim=-1)
+                    out.append(p @ v[h])
+                return out
+            return step
+
+        def step(i):
+            return torch.bmm(torch.softmax(torch.bmm(q, kt), dim=-1), v)
+        return step
+    return make, "SM_ARRAY_IDLE", "batch the heads: one bmm, one softmax over all rows, one bmm"
+
+
 def healthy_gpt2():
     def make(fault):
         model, opt, x = base_job()
@@ -404,6 +436,7 @@ PAIRS = {
     "fp32_matmul": fp32_matmul,
     "pageable_copy": pageable_copy,
     "dataloader_starved": dataloader_starved,
+    "underfilled": underfilled,
     "healthy_gpt2": healthy_gpt2,
     "healthy_compiled": healthy_compiled,
 }

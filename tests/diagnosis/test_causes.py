@@ -162,3 +162,13 @@ def test_grad_accum_allreduce_is_a_job_cause(reports):
     assert c["saving"]["method"] == "joint replay"
     # under-predicted on two ranks sharing one GPU (docs/findings.md, Validation): only a floor here
     assert c["saving"]["share"] > 0.08
+
+
+@pytest.mark.skipif("underfilled" not in PAIRS, reason="the pair's H100 capture is not committed yet "
+                    "(python3 bench/diagnosis/gpu_pairs.py underfilled)")
+def test_underfilled_head_loop(reports):
+    c = top(reports("underfilled"))
+    assert c["code"] == "SM_ARRAY_IDLE" and c["evidence"]["source"] == "launch configuration"
+    assert c["place"]["kind"] == "python" and "gpu_pairs.py" in c["place"]["name"]
+    assert c["evidence"]["loop"] and c["evidence"]["repeats_per_call"] == 64 and "torch.bmm" in c["remedy"]
+    assert within(c["saving"]["share"], PAIRS["underfilled"]["measured_share"])

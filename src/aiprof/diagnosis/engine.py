@@ -154,6 +154,9 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None) -> tuple[list[Caus
     pricer = pricer or Pricer([f], False)
     found: list[Cause] = []
     claimed = np.zeros(len(f.tree), dtype=bool)
+    # the host regions the causes found so far own (this array, growing): a GPU-side detector
+    # leaves their kernels to the cause whose fix removes them
+    f.extra["owned_nodes"] = claimed
     for det in registry.RANK_DETECTORS:
         generic = det in registry.GENERIC
         if generic:

@@ -88,6 +88,17 @@ class RankTrace:
                 return str(p.get("name", ""))
         return ""
 
+    @property
+    def sm_count(self) -> int | None:
+        """Streaming multiprocessors of the traced device (Kineto's ``numSms``), None if unknown."""
+        props = self.meta.get("device_properties") or []
+        dev = self.meta.get("device")
+        for p in props:
+            if dev is None or p.get("id") == dev:
+                n = p.get("numSms")
+                return int(n) if isinstance(n, int) and n > 0 else None
+        return None
+
 
 @dataclass
 class Capture:
