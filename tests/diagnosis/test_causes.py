@@ -169,6 +169,6 @@ def test_grad_accum_allreduce_is_a_job_cause(reports):
 def test_underfilled_head_loop(reports):
     c = top(reports("underfilled"))
     assert c["code"] == "SM_ARRAY_IDLE" and c["evidence"]["source"] == "launch configuration"
-    assert c["place"]["kind"] == "python" and "gpu_pairs.py" in c["place"]["name"]
+    assert c["place"]["kind"] == "python" and "gpu_pairs" in c["place"]["name"]
     assert c["evidence"]["loop"] and c["evidence"]["repeats_per_call"] == 64 and "torch.bmm" in c["remedy"]
     assert within(c["saving"]["share"], PAIRS["underfilled"]["measured_share"])

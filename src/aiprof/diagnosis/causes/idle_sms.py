@@ -39,6 +39,8 @@ from aiprof.analysis.hotspots import OP, PYTHON, is_library_frame
 from aiprof.analysis.kernels import is_matmul_kernel, kernel_family
 from aiprof.diagnosis.causes.common import ms, steps_with
 from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.graph import LAUNCH
+from aiprof.diagnosis.replay import Edit
 from aiprof.diagnosis.hardware import device
 from aiprof.diagnosis.model import MIN_REPORTED_SHARE, SLOW_KERNELS, Cause, Claim, Place
 from aiprof.trace.classify import COMPUTE
@@ -248,6 +250,36 @@ def grid_causes(f: RankFacts, skip_families: set | None = None, max_fill: float 
     return [_grid_cause(f, key, ix, fill, new, max_fill) for bound, key, ix in places[:max_places] if bound >= floor_ns]
 
 
+def _batch_the_loop(f: RankFacts, e: Edit, calls: np.ndarray) -> None:
+    """The loop's iterations batched into one call, as the remedy says: in each call of the
+    user's function, the kernels of one name collapse into one kernel doing all their work
+    (the under-filled ones at their spread-over-every-SM duration, already in ``e.op_dur``), and
+    the host's launches of the others, with the Python and dispatch time before each, are gone:
+    a batched op is dispatched and launched once."""
+    g = f.graph
+    names = f.rt.kernels.strings("name").codes
+    for call in calls.tolist():
+        root = np.zeros(len(f.tree), dtype=bool)
+        root[call] = True
+        acts = f.actions_in(f.under(root)) & (g.a_kind == LAUNCH)
+        ops = np.nonzero(acts[g.o_action])[0]
+        if len(ops) < 2:
+            continue
+        gap_in = f.gap_time_in(f.union_of_nodes(root))
+        dur = np.where(np.isnan(e.op_dur[ops]), g.o_dur[ops], e.op_dur[ops])
+        code = names[g.o_row[ops]]
+        for c in np.unique(code):
+            same = ops[code == c]
+            keep, rest = same[0], same[1:]
+            if not len(rest):
+                continue
+            e.op_dur[keep] = float(dur[code == c].sum())
+            e.drop_op[rest] = True
+            gone = np.setdiff1d(g.o_action[rest], g.o_action[keep])
+            e.cost_remove[gone] = g.cost[gone]
+            e.gap_remove[gone] += gap_in[gone]
+
+
 def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.ndarray, new: np.ndarray,
                 max_fill: float) -> Cause:
     g = f.graph
@@ -308,6 +340,8 @@ def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.nda
     in_nodes[nodes[nodes >= 0]] = True
     e = f.edit(CODE)
     e.op_dur[ix] = new[ix]
+    if loop:
+        _batch_the_loop(f, e, np.unique(frame[frame >= 0]))
     return Cause(
         code=CODE, rank=f.rank,
         title=(f"{ms(kern_ns / per)} per step in {len(ix) / per:.0f} under-filled kernels launched by {where[:80]}: "
