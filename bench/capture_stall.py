@@ -162,6 +162,7 @@ def main() -> None:
     ap.add_argument("--pretouch-gb", type=int, default=0, help="touch this much host memory first (VMs that grow memory lazily)")
     ap.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for capture_stall.json (default $OUT)")
     ap.add_argument("--keep", action="store_true", help="keep the captures (in --out/captures)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = args.model if device == "cuda" or args.model != "gpt2" else "tiny"
@@ -180,7 +181,10 @@ def main() -> None:
     rounds[0]["mode"] = "warmup"
     if offstop.wait(BUILD_WAIT_S) is None:  # the warm-up armed its build; the rounds must not race it
         print(f"offthread stop unavailable: {offstop.unavailable() or 'still building'}", file=sys.stderr)
-    names = list(MODES)
+    names = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(names) - set(MODES))
+    if unknown or not names:
+        raise SystemExit(f"capture_stall.py: unknown --modes {unknown or args.modes!r}; choose from {', '.join(MODES)}")
     for r in range(args.rounds):
         for mode in names[r % len(names):] + names[:r % len(names)]:
             rounds.append(one_round(agent, step, device, mode, f"r{r}-{mode}", args, caps))
