@@ -20,6 +20,7 @@ from aiprof.analysis.report import build_report
 from aiprof.diagnosis.causes import comm_overlap
 from aiprof.trace.store import open_capture
 from tests.conftest import DATA
+from tests.diagnosis.jobcauses import report_and_job_causes
 
 DDP2 = [f"ddp2_slow1_rank{r}.json.gz" for r in (0, 1)]
 DDP4 = [f"ddp4_slow2_rank{r}.json.gz" for r in range(4)]
@@ -35,15 +36,7 @@ def copies(tmp_path_factory):
 
 def run(files: list, monkeypatch) -> tuple[dict, list]:
     """The report, and every cause detect_job returned (before the engine drops small ones)."""
-    got: list = []
-    orig = comm_overlap.detect_job
-
-    def keep(facts, pricer, columns):
-        out = orig(facts, pricer, columns)
-        got.extend(out)
-        return out
-    monkeypatch.setattr(comm_overlap, "detect_job", keep)
-    return build_report(open_capture([str(f) for f in files])), got
+    return report_and_job_causes(comm_overlap, open_capture([str(f) for f in files]), monkeypatch)
 
 
 @pytest.mark.parametrize("names", [DDP2, DDP4], ids=["ddp2", "ddp4"])

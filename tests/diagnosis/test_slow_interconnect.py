@@ -16,6 +16,7 @@ from aiprof.analysis.report import build_report
 from aiprof.diagnosis.causes import slow_interconnect
 from aiprof.trace.store import open_capture
 from tests.conftest import DATA
+from tests.diagnosis.jobcauses import report_and_job_causes
 
 DDP2 = [str(DATA / f"ddp2_slow1_rank{r}.json.gz") for r in (0, 1)]
 DDP4 = [str(DATA / f"ddp4_slow2_rank{r}.json.gz") for r in range(4)]
@@ -51,16 +52,7 @@ def best_busbw(files: list[str]) -> float:
 
 def test_fires_and_prices_below_the_bar(monkeypatch):
     monkeypatch.setattr(slow_interconnect, "SLOW_BUSBW_MAX_GBPS", 1e4)
-    cap = open_capture(DDP2)
-    got: list = []
-    orig = slow_interconnect.detect_job
-
-    def keep(facts, pricer, columns):
-        out = orig(facts, pricer, columns)
-        got.extend(out)
-        return out
-    monkeypatch.setattr(slow_interconnect, "detect_job", keep)
-    build_report(cap)  # the engine calls the module's detect_job
+    _, got = report_and_job_causes(slow_interconnect, open_capture(DDP2), monkeypatch)
     (c,) = got
     ev = c.evidence
     assert c.rank is None and c.place.kind == "collective" and "AllReduce" in c.place.name

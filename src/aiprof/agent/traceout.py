@@ -147,12 +147,17 @@ def write_trace(prof: Any, d: str, cap_bytes: int, marker: str, stop_ms: float |
         out = _write(prof, raw, gz, cap_bytes, marker)
         return {**out, "how": "thread", "why": why, "write_ms": round((time.perf_counter() - t0) * 1e3, 3)}
     except BaseException:
-        for p in (raw, raw + ".tmp", gz):
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        _remove(raw, raw + ".tmp", gz)
         raise
+
+
+def _remove(*paths: str) -> None:
+    """Delete what a failed write left (no partial trace stays behind)."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 
 
 def release_results(prof: Any) -> None:
@@ -200,11 +205,7 @@ def finish_detached(lib: Any, handle: int, d: str, cap_bytes: int, marker: str,
                 "sync_ms": round((t1 - t0) * 1e3, 3), "finish_ms": round((t2 - t1) * 1e3, 3),
                 "write_ms": round((time.perf_counter() - t2) * 1e3, 3)}
     except BaseException:
-        for p in (raw, raw + ".tmp", gz):
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        _remove(raw, raw + ".tmp", gz)
         raise
 
 

@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from aiprof.analysis.comm import DTYPE_BYTES
-from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.causes.common import ms, transfer_edits
 from aiprof.diagnosis.causes.slow_interconnect import (
     NVLINK_LATENCY_NS,
     collective_bytes,
@@ -214,11 +214,7 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
         return []
     prev_new = np.concatenate([[-math.inf], new[:-1]])
     new_t = {int(c): float(max(e - max(a, p), 0.0)) for c, e, a, p in zip(ids, new, arrive, prev_new)}
-    edits = {}
-    for f in facts:
-        e = f.edit(CODE)
-        e.c_transfer = new_t
-        edits[f.rank] = e
+    edits = transfer_edits(facts, CODE, new_t)
     per = max(len(f0.steps), 1)
     split = nbytes >= SPLIT_MIN_PIECES * piece
     top = int(np.argmax(np.where(split, old - arrive, -np.inf)))

@@ -122,3 +122,14 @@ def torch_work_below(f: RankFacts) -> np.ndarray:
         has_work[p] = True
         cur = p
     return has_work
+
+
+def transfer_edits(facts: list[RankFacts], code: str, transfer: dict) -> dict:
+    """Per rank, an edit giving matched collectives new transfer times (ns, by collective id):
+    a change of the interconnect or of the collectives themselves is made on every rank."""
+    edits = {}
+    for f in facts:
+        e = f.edit(code)
+        e.c_transfer = transfer
+        edits[f.rank] = e
+    return edits

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from aiprof.analysis.comm import BUSBW_FACTOR, DTYPE_BYTES, PCIE_GEN5_X16_GBPS
-from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.causes.common import ms, transfer_edits
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.hardware import device
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Cause, Claim, Place
@@ -98,11 +98,7 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
     fixed = NVLINK_LATENCY_NS + nbytes * fac / peak
     known = nbytes > 0
     new_t = {int(c): float(min(t, x)) for c, t, x, k in zip(ids, t_ns, fixed, known) if k}
-    edits = {}
-    for f in facts:
-        e = f.edit(CODE)
-        e.c_transfer = new_t
-        edits[f.rank] = e
+    edits = transfer_edits(facts, CODE, new_t)
     per = max(len(f0.steps), 1)
     top = int(np.argmax(np.where(large, nbytes, 0)))
     typical = float(np.median(busbw[large]))

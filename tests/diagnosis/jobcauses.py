@@ -1,0 +1,20 @@
+"""Test helper: every cause a job-level detector returns, before the engine drops small ones."""
+from __future__ import annotations
+
+from types import ModuleType
+
+from aiprof.analysis.report import build_report
+
+
+def report_and_job_causes(module: ModuleType, cap, monkeypatch) -> tuple[dict, list]:
+    """``build_report(cap)`` with ``module.detect_job`` (which the engine calls) watched: the
+    report, and every cause that detector returned."""
+    got: list = []
+    orig = module.detect_job
+
+    def keep(facts, pricer, columns):
+        out = orig(facts, pricer, columns)
+        got.extend(out)
+        return out
+    monkeypatch.setattr(module, "detect_job", keep)
+    return build_report(cap), got
