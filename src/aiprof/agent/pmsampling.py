@@ -259,14 +259,19 @@ def list_metrics(device: int = 0) -> list[tuple[int, str]]:
 
 
 _METRICS: dict[int, dict[str, str]] = {}  # device -> resolved metrics, for this process
+# One resolution at a time: the agent's prewarm thread and a capture's sampler both ask, and two
+# resolutions at once on the C side (not thread-safe) each saw every metric rejected (H200).
+_METRICS_LOCK = threading.Lock()
 
 
 def prewarm(device: int) -> dict[str, str]:
     """Load the library and resolve the metrics of ``device`` now (kept for the process), so a
-    later :class:`PmSampler` only configures and starts."""
-    if device not in _METRICS:
-        _METRICS[device] = resolve_metrics(device)
-    return _METRICS[device]
+    later :class:`PmSampler` only configures and starts; a caller that comes while another
+    resolves waits for its answer."""
+    with _METRICS_LOCK:
+        if device not in _METRICS:
+            _METRICS[device] = resolve_metrics(device)
+        return _METRICS[device]
 
 
 def _cache_file(chip: str) -> str:
