@@ -37,6 +37,17 @@ def _serve(paths: list[Path]):
     return server, data, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/"
 
 
+def _pm_capture(root: Path) -> Path:
+    """A capture of the recorded PM samples, as tests/analysis/test_counters.py builds it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pm_capture", ROOT / "tests" / "analysis" / "test_counters.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cap, _ = mod.make_capture(root, mod._rec())
+    return cap
+
+
 def _open(page, url: str, route: str) -> None:
     page.goto(url + "#/" + route)
     page.wait_for_function(f"() => document.querySelector('#page').dataset.ready === '1'"
@@ -53,6 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "img"))
     ap.add_argument("--chromium", default="/usr/bin/chromium")
+    ap.add_argument("--only", choices=["all", "pm"], default="all", help="pm: only the GPU-counters timeline")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -76,6 +88,23 @@ def main() -> None:
             pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             pg.on("pageerror", lambda e: errors.append(str(e)))
             return pg
+
+        # --- CUPTI PM samples recorded on an H100 (tests/data/pm): the GPU counters on the timeline
+        server, data, url = _serve([_pm_capture(tmp / "pm")])
+        pg = page(1500, 800)
+        _open(pg, url, "timeline")
+        for lane in data.index(data.rank(0)).lanes:
+            if lane.group == "host":
+                pg.evaluate(f"() => {TL}.toggle('r0:p{lane.proc}:t{lane.thread}', false)")
+        pg.evaluate(f"() => {TL}.toggle('r0:pm', true)")
+        _settle(pg)
+        pg.screenshot(path=str(out / "ui_timeline_pm.png"))
+        pg.close()
+        server.should_exit = True
+        if args.only == "pm":
+            browser.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
 
         # --- the real 2-rank DDP capture: dashboard, ranks, the 2-rank timeline
         server, data, url = _serve(copies["ddp2"])
