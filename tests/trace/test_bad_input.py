@@ -147,3 +147,21 @@ def test_args_that_are_not_utf8_do_not_stop_the_read(tmp_path):
     r = subprocess.run([sys.executable, "-m", "aiprof", "analyze", str(p), "--no-cache"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("types", [b"null", b"3.5"], ids=["null", "number"])
+def test_input_types_that_are_not_a_list(tmp_path, types):
+    """The fuzz run (bench/fuzz_inputs.py --cases 3000 --seed 2026) found "Input type" as null or a
+    number on an op that launched a kernel: the kernels' precision lookup iterated it (TypeError
+    traceback). Such an op's precision is unknown; the report is written."""
+    p = tmp_path / "t.json"
+    p.write_bytes(b'{"traceEvents": ['
+                  b'{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 1.0, "dur": 20.0, '
+                  b'"args": {"External id": 7, "Input Dims": [[2, 2], [2, 2]], "Input type": ' + types + b'}},'
+                  b'{"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 5.0, '
+                  b'"dur": 4.0, "args": {"correlation": 11, "External id": 7}},'
+                  b'{"ph": "X", "cat": "kernel", "name": "gemm_kernel", "pid": 0, "tid": 7, "ts": 12.0, "dur": 30.0, '
+                  b'"args": {"correlation": 11, "External id": 7, "device": 0, "stream": 7}}]}')
+    r = subprocess.run([sys.executable, "-m", "aiprof", "analyze", str(p), "--no-cache"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]

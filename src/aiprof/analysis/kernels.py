@@ -210,9 +210,10 @@ def op_input_precision(input_types: str) -> str:
     """Precision of an op from its ``Input type`` list (``record_shapes``): the first floating
     point input; ``int`` when every tensor input is integer or boolean; "" when unknown."""
     try:
-        types = [str(t) for t in json.loads(input_types)] if input_types else []
+        raw = json.loads(input_types) if input_types else []
     except ValueError:
-        types = []
+        raw = []
+    types = [str(t) for t in raw] if isinstance(raw, list) else []  # null or a number: no types
     floats = [_DTYPE_PRECISION[t] for t in types if t in _DTYPE_PRECISION and _DTYPE_PRECISION[t] != "int8"]
     if floats:
         return floats[0]
