@@ -214,7 +214,7 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
     if coupled:
         causes += grad_accum.detect_job(facts, pricer)
         causes += slow_interconnect.detect_job(facts, pricer, columns)
-        for det in registry.JOB_DETECTORS:
+        for det in registry.job_detectors():
             causes += det.detect_job(facts, pricer, columns)
     if cross:
         cs, ss = straggler.causes(facts, cross, causes, pricer)

@@ -35,4 +35,17 @@ RANK_DETECTORS = (allocator_churn, new_shapes, unfused_optimizer, host_sync, pag
 # Detectors whose remedy would also hide the specific causes' symptoms: priced after those.
 GENERIC = (launch_bound,)
 # Job-level detectors, ``detect_job(facts, pricer, columns)``: run when collectives couple the ranks.
-JOB_DETECTORS = (comm_overlap,)
+JOB_DETECTORS: tuple = ()
+# Detectors that failed their own validation pair, run only when named in $AIPROF_EXPERIMENTAL_CAUSES
+# (comma-separated codes). EXPOSED_BUCKET_COMM: on two NVLink H200s, one 384 MB bucket vs DDP's
+# 25 MB buckets measured 0.8 % apart, and it predicted 14.2 % (docs/findings.md, Validation).
+EXPERIMENTAL_JOB_DETECTORS = (comm_overlap,)
+EXPERIMENTAL_ENV = "AIPROF_EXPERIMENTAL_CAUSES"
+
+
+def job_detectors() -> tuple:
+    """The job-level detectors to run: the validated ones, and the experimental ones asked for."""
+    import os
+
+    asked = {c.strip() for c in os.environ.get(EXPERIMENTAL_ENV, "").split(",") if c.strip()}
+    return JOB_DETECTORS + tuple(d for d in EXPERIMENTAL_JOB_DETECTORS if d.CODE in asked)
