@@ -549,11 +549,11 @@ class CaptureDriver:
     def _detach(self) -> dict[str, Any]:
         """Detach the profiler from this thread (agent/offstop.py) so the export thread finishes
         it; on any failure the caller stops it here the old way. Returns how, for meta.json."""
-        lib = offstop.ready() if os.environ.get(OFFSTOP_ENV, "1") != "0" else None
+        if os.environ.get(OFFSTOP_ENV, "1") == "0":
+            return {"how": "stop_trace", "why": f"{OFFSTOP_ENV}=0"}
+        lib = offstop.ready()
         if lib is None:
-            why = (f"{OFFSTOP_ENV}=0" if os.environ.get(OFFSTOP_ENV, "1") == "0"
-                   else offstop.unavailable() or "the stopper was still building")
-            return {"how": "stop_trace", "why": why}
+            return {"how": "stop_trace", "why": offstop.unavailable() or "the stopper was still building"}
         if self.prof_thread != threading.get_ident():
             return {"how": "stop_trace", "why": "stopped on another thread than the one that started it"}
         try:

@@ -12,7 +12,8 @@ releases the GIL, so the job runs on meanwhile.
 After a detach nothing more is recorded on the training thread; CUPTI keeps recording GPU
 activity until the finish disables it, so kernels launched in that gap (the job's next step)
 are in the trace beyond the capture's last step: the agent records the detach time in
-meta.json (``export.detached_unix_ns``) and the store drops them (trace/store.py).
+meta.json (``stop.detached_unix_ns``) and the store drops them (trace/clip.py). The finish stops
+CUPTI's recording first (once the GPU has done the captured work), so that gap is short.
 
 The helper is compiled once per torch build against torch's own headers and cached
 (agent/cbuild.py); :func:`prepare` starts that build on a background thread when a capture is
