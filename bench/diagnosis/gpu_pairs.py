@@ -182,9 +182,12 @@ def unfused_optimizer():
 
 def item_per_param():
     """Per-parameter grad-norm logging with .item(): one host sync per parameter tensor.
-    Fix: the same norms stacked on the device and copied once."""
+    Fix: the same norms stacked on the device and copied once. The base model on 8 x 512
+    tokens (a small-batch job): its 76 syncs cost a share of the step that run-to-run noise
+    does not hide (on 16 x 1024 tokens they were ~2 ms within +-3 ms of noise)."""
     def make(fault):
-        model, opt, x = base_job()
+        model, opt, _ = base_job()
+        x = torch.randint(0, 8192, (8, 512), device=DEV)
         params = [p for p in model.parameters()]
         log = []
 
@@ -475,24 +478,36 @@ def _free_port() -> int:
 
 
 def _ddp_rank(rank: int, port: int, q, traces: str, job: str) -> None:
-    """DDP over gloo, both ranks on cuda:0 (the lent machine has one GPU).
+    """DDP of two ranks: NCCL with a GPU each where the machine has two, else gloo with both
+    ranks on cuda:0 (a one-GPU machine; the ranks then contend for it).
 
     job "straggler": rank 1's get_batch sleeps 30 ms in the fault.
     job "accum": 4 micro-batches per optimizer step; the fault all-reduces after every
-    micro-batch, the fix skips it with model.no_sync() for the first three.
+    micro-batch, the fix skips it with model.no_sync() for the first three. On two GPUs the
+    model is wider (GPT-2 4 x 1024: 60 M parameters, 240 MB of fp32 gradients) on 4 x 256 tokens
+    per micro-batch: a small-batch fine-tune whose all-reduces are a real share of the step.
     """
     import contextlib
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    out = {}
+    global DEV
+    two = torch.cuda.device_count() >= 2
+    if two:
+        DEV = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if two else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    out = {"backend": dist.get_backend(), "device": torch.cuda.get_device_name(DEV)}
     for variant in ("fault", "fix", "fault", "fix", "fault", "fix", "trace_fault", "trace_fix"):
         torch.manual_seed(0)
-        model = DDP(gpt2(n_layer=4, n_embd=256, n_head=4, vocab=1024))
+        if two and job == "accum":
+            net, x = gpt2(n_layer=4, n_embd=1024, n_head=16, vocab=8192), torch.randint(0, 8192, (4, 256), device=DEV)
+        else:
+            net, x = gpt2(n_layer=4, n_embd=256, n_head=4, vocab=1024), torch.randint(0, 1024, (8, 256), device=DEV)
+        model = DDP(net, device_ids=[rank] if two else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        x = torch.randint(0, 1024, (8, 256), device=DEV)
         fault = variant.endswith("fault")
         slow = job == "straggler" and rank == 1 and fault
 
@@ -555,12 +570,15 @@ def ddp2(job: str) -> dict:
             p.kill()
     if len(res) < len(procs):
         raise RuntimeError(f"{job}: only ranks {sorted(res)} reported")
+    env = {k: res[0].pop(k) for k in ("backend", "device")}
+    for o in res.values():
+        o.pop("backend", None), o.pop("device", None)
     med = {r: {k: sorted(v)[len(v) // 2] for k, v in o.items()} for r, o in res.items()}
     f, x = med[0]["fault"], med[0]["fix"]
     expect, fix = (("STRAGGLER", "rank 1 loads its input without the 30 ms stall") if job == "straggler" else
                    ("GRAD_ACCUM_ALLREDUCE", "model.no_sync() for the first 3 of 4 micro-batches"))
     return {"expect": expect, "fix": fix, "fault_ms": f, "fix_ms": x, "measured_share": (f - x) / f,
-            "per_rank_ms": med, "traces": {"fault": [f"{job}2_fault_rank0.json.gz", f"{job}2_fault_rank1.json.gz"],
+            "per_rank_ms": med, "ddp": env, "traces": {"fault": [f"{job}2_fault_rank0.json.gz", f"{job}2_fault_rank1.json.gz"],
                                            "fix": [f"{job}2_fix_rank0.json.gz", f"{job}2_fix_rank1.json.gz"]}}
 
 

@@ -172,3 +172,15 @@ def test_underfilled_head_loop(reports):
     assert c["place"]["kind"] == "python" and "gpu_pairs" in c["place"]["name"]
     assert c["evidence"]["loop"] and c["evidence"]["repeats_per_call"] == 64 and "torch.bmm" in c["remedy"]
     assert within(c["saving"]["share"], PAIRS["underfilled"]["measured_share"])
+
+
+def test_slow_transport_is_the_job_cause_priced_as_measured(reports):
+    """NCCL over sockets on two NVLink H200s: the launches that blocked on the full launch queue
+    are waiting, not host work, and the ranks replay in step however far behind the recording
+    ran, so the fix (NVLink transfers) is priced at what the job measured."""
+    c = top(reports("slow_transport2"))
+    assert c["code"] == "SLOW_INTERCONNECT" and c["rank"] is None
+    ev = c["evidence"]
+    assert ev["busbw_gbps_best"] < 10 and ev["nvlink_busbw_gbps"] > 100 and ev["ranks"] == 2
+    assert c["saving"]["method"] == "joint replay"
+    assert within(c["saving"]["share"], PAIRS["slow_transport2"]["measured_share"])

@@ -4,7 +4,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiprof.diagnosis.graph import COLL_END, COLL_START, END, LAUNCH, OTHER, STEP, SYNC, Graph, build_graph
+from aiprof.diagnosis.graph import (
+    COLL_END,
+    COLL_START,
+    END,
+    LAUNCH,
+    OTHER,
+    STEP,
+    SYNC,
+    Graph,
+    build_graph,
+    queue_wait_ns,
+)
 from aiprof.diagnosis.job import joint_replay
 from aiprof.diagnosis.profiler_cost import ProfilerCost
 from aiprof.diagnosis.replay import Edit, combine, replay
@@ -115,6 +126,76 @@ def test_collectives_couple_two_ranks():
     assert res[0].host_ns == pytest.approx(16 * US) and res[1].host_ns == pytest.approx(16 * US)
     # rank 0's waiting went away although its own graph did not change
     assert res[0].arrivals[0] == pytest.approx(10 * US)
+
+
+class _F:  # the facts joint_replay reads
+    def __init__(self, g):
+        self.graph, self.rank, self.extra = g, g.rank, {}
+
+
+def _coll_chain(rank: int, order: list[int], late_us: float) -> Graph:
+    """A rank launching one GPU collective per 1 µs call (ids in ``order``), 5 µs transfers;
+    the recording had the other rank arrive ``late_us`` later (a GPU backlog)."""
+    n = len(order)
+    acts = [(STEP, 0, 0, -1)] + [(LAUNCH, 0, 1, -1)] * n + [(END, 0, 0, -1)]
+    return graph(acts, [(i + 1, 7, 5) for i in range(n)], rank=rank, o_coll=np.array(order, np.int64),
+                 others={c: (late_us + 5 * c) * US for c in order}, transfer={c: 5 * US for c in order})
+
+
+def test_joint_replay_follows_a_long_chain_of_collectives():
+    # 20 all-reduces back to back on each rank; the recording says the other rank arrived ~1 ms
+    # late at each (it ran a backlog). Replayed together both arrive at once: collective k ends
+    # at 5 (k+1) µs, the last at 100 µs. Replaying round by round would need 20 rounds.
+    facts = [_F(_coll_chain(r, list(range(20)), 1000.0)) for r in (0, 1)]
+    res = joint_replay(facts)
+    assert res[0].total_ns == pytest.approx(100 * US) and res[1].total_ns == pytest.approx(100 * US)
+    # alone, with the recorded arrivals, a rank waits for the backlog
+    assert replay(facts[0].graph).total_ns > 1000 * US
+
+
+def test_joint_replay_never_deadlocks_on_crossed_collectives():
+    # the windows cut the collectives in different orders: rank 0 reaches 0 then 1, rank 1 the
+    # reverse; no schedule satisfies both, and the replay still ends (earliest arrival released
+    # with the recorded arrival of the other rank)
+    facts = [_F(_coll_chain(0, [0, 1], 50.0)), _F(_coll_chain(1, [1, 0], 50.0))]
+    res = joint_replay(facts)
+    assert set(res) == {0, 1} and all(r.total_ns > 0 for r in res.values())
+
+
+def test_launches_blocked_on_a_full_queue_are_waiting_not_host_work():
+    # four launches of one API: two cost 5 µs with the GPU idle; two took 3 ms while the GPU ran
+    # 2 ms behind (their ops started long after the calls returned): their excess is waiting
+    a_ts = np.array([0, 100, 200, 5_000], np.int64) * 1000
+    a_end = a_ts + np.array([5, 5, 3_000, 3_000]) * 1000
+    kind = np.full(4, LAUNCH, np.int8)
+    o_ts = np.array([10, 110, 5_200, 10_000], np.int64) * 1000
+    w = queue_wait_ns(a_ts, a_end, kind, np.full(4, -1), np.zeros(4, np.int64), np.arange(4), o_ts)
+    assert w.tolist() == pytest.approx([0, 0, 2_995_000, 2_995_000])
+    # a slow launch whose op started at once (lazy module loading) is the call's own cost
+    o_ts2 = o_ts.copy()
+    o_ts2[2] = a_end[2] + 10_000
+    w2 = queue_wait_ns(a_ts, a_end, kind, np.full(4, -1), np.zeros(4, np.int64), np.arange(4), o_ts2)
+    assert w2[2] == 0 and w2[3] > 0
+
+
+def test_queue_blocked_launches_on_the_sockets_job():
+    """The real sockets capture: its launches blocked 7-8 ms each behind slow all-reduces; the
+    graph keeps a launch's typical cost for them. The healthy GPU-bound job has a handful of
+    0.1-0.2 ms launches while its GPU ran behind: under 1 % of its window."""
+    from aiprof.analysis.steps import find_steps
+    from aiprof.trace.store import open_capture
+    from tests.conftest import DATA
+
+    for name, blocked in (("slow_transport2_fault_rank0", True), ("healthy_gpt2", False)):
+        rt = open_capture(str(DATA / "diagnosis" / f"{name}.json.gz")).ranks[0]
+        g = build_graph(rt, find_steps(rt), ProfilerCost.none())
+        launch_ms = (g.a_end - g.a_ts)[g.a_kind == LAUNCH] / 1e6
+        cost_ms = g.cost_raw[g.a_kind == LAUNCH] / 1e6
+        waited = float((launch_ms - cost_ms).sum())
+        if blocked:
+            assert (launch_ms > 2).sum() >= 10 and cost_ms.max() < 0.2 and waited > 100
+        else:
+            assert waited < 0.01 * (g.hi - g.lo) / 1e6
 
 
 def test_unedited_replay_reproduces_a_real_trace(gpt2_stall):

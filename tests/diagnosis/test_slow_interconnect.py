@@ -1,12 +1,13 @@
 """SLOW_INTERCONNECT on the real multi-rank H200 captures in tests/data.
 
-Both jobs ran NCCL over NVLink: the cause must stay silent on them. No capture of a job whose
-NCCL fell back to shared memory or sockets exists (it needs two GPUs of one host, not lent to
-this project's sessions), so the detector's evidence, edit and pricing are checked on the same
-real job with the bandwidth bar raised above what it reached: the job then reads as one whose
-link is slower than the bar, and everything downstream must hold.
+Both ddp jobs ran NCCL over NVLink: the cause must stay silent on them. The slow-transport pair
+(two NVLink H200s, NCCL forced onto sockets, 93.7 ms per step unprofiled against 7.9 ms with
+NCCL's defaults) puts it on top within 1.5x of that saving (tests/diagnosis/test_causes.py). The
+evidence, edit and pricing are also checked on the NVLink job with the bandwidth bar raised
+above what it reached.
 """
 from __future__ import annotations
+
 
 import numpy as np
 import pytest

@@ -39,6 +39,14 @@ DEFAULT_LAUNCH_LATENCY_NS = 5_000.0
 # than this the default above is used.
 LATENCY_PERCENTILE = 10
 MIN_LATENCY_SAMPLES = 5
+# A launch whose op started at least this long after the call returned was made while the GPU
+# ran a backlog (a millisecond of queued work: far beyond the launch latency of a few µs) ...
+QUEUE_BACKLOG_MIN_NS = 1_000_000
+# ... and one that took this much longer than the unblocked launches of its API waited for a
+# slot in the full launch queue (launch calls cost 2-20 µs, profiled up to ~50 µs).
+QUEUE_BLOCK_MIN_EXCESS_NS = 100_000
+# A launch call's own host cost when the trace has no unblocked launch to measure it by.
+DEFAULT_LAUNCH_COST_NS = 5_000.0
 # Calls that wait for every GPU op issued before them: explicit device syncs, and freeing
 # device memory, which the CUDA runtime does only after the device is idle.
 DEVICE_WIDE_WAITS = frozenset({"cudaDeviceSynchronize", "cuCtxSynchronize", "cudaFree", "cuMemFree", "cudaFreeHost",
@@ -126,6 +134,40 @@ class Graph:
         """Op indices of the given rows of the kernels (0) or memops (1) table."""
         m = (self.o_table == table) & np.isin(self.o_row, rows)
         return np.nonzero(m)[0]
+
+
+def queue_wait_ns(a_ts: np.ndarray, a_end: np.ndarray, a_kind: np.ndarray, a_wait: np.ndarray, a_code: np.ndarray,
+                  o_action: np.ndarray, o_ts: np.ndarray) -> np.ndarray:
+    """Per action, the host ns a launch spent blocked on a full launch queue (0 elsewhere).
+
+    The CUDA driver queues a bounded number of launches (about a thousand); once the GPU is that
+    far behind, each launch call waits for the GPU to retire work before it returns. Such a call
+    is recognised by its own op starting long after the call returned (the GPU had a backlog,
+    :data:`QUEUE_BACKLOG_MIN_NS`) and by the call taking far longer than this trace's unblocked
+    launches of the same API (:data:`QUEUE_BLOCK_MIN_EXCESS_NS`). Its excess is waiting for the
+    GPU, not host work: the replay keeps only the typical cost, so a fix that shortens the GPU's
+    work is not held back by the host time the slow GPU caused."""
+    out = np.zeros(len(a_ts))
+    if not len(o_action):
+        return out
+    launch = np.nonzero((a_kind == LAUNCH) & (a_wait < 0))[0]
+    if not len(launch):
+        return out
+    first_op = np.searchsorted(o_action, launch, side="left")
+    dur = (a_end[launch] - a_ts[launch]).astype(np.float64)
+    backlog = o_ts[first_op] - a_end[launch]
+    queued = backlog >= QUEUE_BACKLOG_MIN_NS
+    code = a_code[launch]
+    typical = np.full(len(launch), DEFAULT_LAUNCH_COST_NS)
+    if (~queued).any():
+        typical[:] = float(np.median(dur[~queued]))
+        for c in np.unique(code[queued]):
+            same = (code == c) & ~queued
+            if same.sum() >= MIN_LATENCY_SAMPLES:
+                typical[code == c] = float(np.median(dur[same]))
+    blocked = queued & (dur - typical >= QUEUE_BLOCK_MIN_EXCESS_NS)
+    out[launch[blocked]] = dur[blocked] - typical[blocked]
+    return out
 
 
 def _host_event_starts(rt: RankTrace, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
@@ -329,6 +371,7 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
     w = a_wait >= 0
     if w.any():
         wait_raw[w] = np.clip(o_end[a_wait[w]] - a_ts[w], 0, a_end[w] - a_ts[w])
+    wait_raw += queue_wait_ns(a_ts, a_end, a_kind, a_wait, a_code, o_action, o_ts)
     cost_raw = (a_end - a_ts).astype(np.float64) - wait_raw
     ops_ts, py_ts, bi_ts, shapes = _host_event_starts(rt, lo, hi)
 

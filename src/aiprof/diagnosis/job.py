@@ -1,9 +1,10 @@
 """Several ranks: collectives couple the replays, and the straggler's cause explains the waits.
 
 A collective ends once every rank has arrived plus its transfer time (the last arriver's own
-duration), so a rank that arrives late makes every other rank wait. The joint replay runs each
-rank's replay with the others' arrivals, then again with the new arrivals, until they settle: a
-fix on one rank then shows up as the waiting it removes on all the others. The job's step is the
+duration), so a rank that arrives late makes every other rank wait. The joint replay advances
+every rank's replay in step, each to its next collective, and releases a collective once all
+ranks have reached it: a fix on one rank then shows up as the waiting it removes on all the
+others, however far the recorded arrivals were from the replayed ones. The job's step is the
 slowest rank's (the ranks of one job cannot drift apart).
 """
 from __future__ import annotations
@@ -13,11 +14,8 @@ import numpy as np
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis.facts import RankFacts, fit_deflation, typical_step_ns
 from aiprof.diagnosis.graph import RankCollectives, build_graph
-from aiprof.diagnosis.replay import Edit, ReplayResult, replay
+from aiprof.diagnosis.replay import Edit, ReplayResult, simulate
 
-# Joint replay: at most this many rounds; it stops once no arrival moves more than the tolerance.
-JOINT_MAX_ROUNDS = 12
-JOINT_TOL_NS = 1_000.0
 # Above this many ranks a fix is priced on its own rank with the others' arrivals as recorded
 # (the others are unchanged by it), not by the joint replay: its cost grows with ranks x causes,
 # and at 16 ranks it costs what the Ray path does (bench/scale.py: 10.3 s vs 11.0 s; 32 ranks:
@@ -147,25 +145,58 @@ def window_steps(f: RankFacts) -> Steps:
 
 
 def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -> dict[int, ReplayResult]:
-    """Replay every rank with the others' arrivals until they settle (see the module docstring)."""
+    """Replay every rank together (see the module docstring): each rank runs until it reaches a
+    collective, and a collective is released to a rank once every other rank whose window holds
+    it has arrived there. Ranks waiting on each other in an order no schedule can satisfy (their
+    windows cut the collectives differently) are released in arrival order with the recorded
+    arrivals of the missing ranks."""
     edits = edits or {}
     off = {f.rank: f.extra.get("offset_ns", 0.0) for f in facts}
-    release = {f.rank: dict(f.graph.c_others) for f in facts}
+    holders: dict[int, set] = {}  # collective -> the ranks whose replay reaches it
+    for f in facts:
+        g = f.graph
+        for ids in (g.o_coll, g.a_coll):
+            if ids is not None:
+                for c in np.unique(ids[ids >= 0]).tolist():
+                    if c in g.c_transfer:
+                        holders.setdefault(c, set()).add(f.rank)
+    sims = {f.rank: simulate(f.graph, edits.get(f.rank)) for f in facts}
+    graphs = {f.rank: f.graph for f in facts}
     res: dict[int, ReplayResult] = {}
-    for _ in range(JOINT_MAX_ROUNDS):
-        res = {f.rank: replay(f.graph, edits.get(f.rank), release[f.rank]) for f in facts}
-        moved = 0.0
-        for f in facts:
-            r = f.rank
-            new = {}
-            for c, old in release[r].items():
-                arr = [res[q].arrivals[c] + off[q] for q in res if q != r and c in res[q].arrivals]
-                v = max(arr) - off[r] if arr else old
-                new[c] = v
-                moved = max(moved, abs(v - old))
-            release[r] = new
-        if moved <= JOINT_TOL_NS:
-            break
+    waiting: dict[int, tuple[int, float]] = {}  # rank -> (collective, arrival on its clock)
+    arrived: dict[int, dict[int, float]] = {}  # collective -> rank -> arrival (common clock)
+
+    def advance(r: int, value: float | None) -> None:
+        try:
+            c, t = next(sims[r]) if value is None else sims[r].send(value)
+        except StopIteration as done:
+            res[r] = done.value
+            return
+        waiting[r] = (c, t)
+        arrived.setdefault(c, {})[r] = t + off[r]
+
+    def latest_other(r: int, c: int) -> float | None:
+        """The others' latest arrival at c on r's clock, once all holders arrived (else None)."""
+        here = arrived.get(c, {})
+        others = holders.get(c, set()) - {r}
+        if not others:
+            return graphs[r].c_others.get(c, waiting[r][1])
+        if not others <= here.keys():
+            return None
+        return max(here[q] for q in others) - off[r]
+
+    for r in sims:
+        advance(r, None)
+    while waiting:
+        ready = [(r, v) for r, (c, _) in waiting.items() if (v := latest_other(r, c)) is not None]
+        if not ready:  # a cycle: release the earliest arrival with what is known of the others
+            r = min(waiting, key=lambda q: waiting[q][1] + off[q])
+            c, t = waiting[r]
+            known = [v - off[r] for q, v in arrived.get(c, {}).items() if q != r]
+            ready = [(r, max(known + [graphs[r].c_others.get(c, t)]))]
+        for r, v in ready:
+            del waiting[r]
+            advance(r, v)
     return res
 
 

@@ -14,6 +14,7 @@ with ``ProfilerCost.none()`` it reproduces the recorded timeline (tests check bo
 """
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -93,9 +94,24 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
     """Simulate ``g`` (optionally with ``edit`` applied) and time the window.
 
     A collective completes once every rank has arrived, then takes its transfer time: the other
-    ranks' arrivals come from ``release`` (id -> ns on this rank's clock, from a joint replay) or,
-    without it, from the recording.
+    ranks' latest arrival comes from ``release`` (id -> ns on this rank's clock) or, without it,
+    from the recording. (:func:`aiprof.diagnosis.job.joint_replay` simulates the ranks together.)
     """
+    others = release if release is not None else g.c_others
+    sim = simulate(g, edit, starts, op_ends)
+    try:
+        c, arrival = next(sim)
+        while True:
+            c, arrival = sim.send(others.get(c, arrival))
+    except StopIteration as done:
+        return done.value
+
+
+def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
+             op_ends: list | None = None) -> Generator[tuple[int, float], float, ReplayResult]:
+    """The replay as a coroutine: at each matched collective it yields ``(id, this rank's
+    arrival)`` and is sent the other ranks' latest arrival (ns, this rank's clock); it returns
+    the :class:`ReplayResult`. A driver can so advance several ranks in step."""
     n_act, n_op = g.n_actions, g.n_ops
     gap = g.gap if edit is None or edit.gap_remove is None else g.gap - np.minimum(edit.gap_remove, np.maximum(g.gap, 0))
     cost = g.cost if edit is None or edit.cost_remove is None else np.maximum(g.cost - edit.cost_remove, 0.0)
@@ -115,7 +131,6 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
     lat = g.launch_latency_ns
     acoll = g.a_coll.tolist() if g.a_coll is not None else [-1] * n_act
     ocoll = g.o_coll.tolist() if g.o_coll is not None else [-1] * n_op
-    others = release if release is not None else g.c_others
     transfer = g.c_transfer if edit is None or edit.c_transfer is None else g.c_transfer | edit.c_transfer
     arrivals: dict[int, float] = {}
     lo = float(g.lo)
@@ -145,7 +160,8 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
                 prev_start = start
                 continue
             arr = arrivals.get(c, start)
-            done = max(arr, others.get(c, arr)) + transfer.get(c, 0.0)
+            latest = (yield c, arr) if c in transfer else arr
+            done = max(arr, latest) + transfer.get(c, 0.0)
             end = max(start, done)
             cursor = max(cursor, end)
             prev_start = start
@@ -169,7 +185,7 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
             c = ocoll[j]
             if c >= 0 and c in transfer:
                 arrivals[c] = ready
-                e = max(ready, others.get(c, ready)) + transfer[c]
+                e = max(ready, (yield c, ready)) + transfer[c]
             else:
                 e = ready + dur_l[j]
             tails[s] = e
