@@ -40,19 +40,21 @@ def test_ray_report_equals_the_in_process_one(ray_engine, ddp4_dir):
     assert st["ingest"]["tasks"] >= 4 and st["analyse"]["tasks"] >= 4 and st["stragglers"]["tasks"] >= 1
 
 
-def test_two_ranks_on_ray_give_the_in_process_report(ray_engine, tmp_path):
-    """accum2 (gloo, gradient accumulation): the job-wide cause priced on both ranks, claims
+@pytest.mark.parametrize("pair, code", [("accum2", "GRAD_ACCUM_ALLREDUCE"), ("slow_transport2", "SLOW_INTERCONNECT")])
+def test_job_causes_on_ray_give_the_in_process_report(ray_engine, tmp_path, pair, code):
+    """The job-wide causes on Ray: accum2 (gloo, gradient accumulation) and slow_transport2
+    (NCCL over sockets on two H200s), each detected on the lowest rank, priced on both, claims
     on every rank: the whole report equals the in-process one."""
     import shutil
 
     from tests.conftest import DATA
 
     for r in (0, 1):
-        shutil.copy(DATA / "diagnosis" / f"accum2_fault_rank{r}.json.gz", tmp_path)
+        shutil.copy(DATA / "diagnosis" / f"{pair}_fault_rank{r}.json.gz", tmp_path)
     files = find_trace_files([str(tmp_path)])
     got = build_job_report(files, ray_engine)
     assert got == build_report(open_capture(files))
-    assert got["causes"][0]["code"] == "GRAD_ACCUM_ALLREDUCE"
+    assert got["causes"][0]["code"] == code
 
 
 def test_a_bad_trace_is_one_line_from_a_worker(ray_engine, ddp4_dir, tmp_path):

@@ -28,6 +28,7 @@ from aiprof.analysis.breakdown import StepBreakdown
 from aiprof.analysis.ranks import align_and_arrivals, cross_rank_of
 from aiprof.analysis.report import SCHEMA, RankReport
 from aiprof.diagnosis import engine as diag
+from aiprof.diagnosis.causes import grad_accum
 from aiprof.diagnosis.job import coupling
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Claim
 from aiprof.errors import TraceError
@@ -72,11 +73,14 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     off = columns.get("offset_ns") or {}
     inputs = {x.rank: tasks.RankInput(x.source, x.index, rcols.get(x.rank), float(off.get(x.rank, 0.0))) for x in ing}
     coupled = bool(rcols)
+    if coupled:  # the rank that prices the job's causes reads its collectives' sizes through it
+        inputs[ranks[0]].rank_index = (columns.get("rank_index") or {}).get(ranks[0])
     pick = partners(ranks, matched[1].waited_us if matched else {}, rcols)
     token = uuid.uuid4().hex
     # 3. analyse each rank
     res: list[tasks.Analysed] = [None] * len(ing)  # type: ignore[list-item]
-    calls = [(inputs[r], inputs.get(pick.get(r)), entry, top, token, coupled and r == ranks[0]) for r in ranks]
+    calls = [(inputs[r], inputs.get(pick.get(r)), entry, top, token, coupled and r == ranks[0], len(ranks))
+             for r in ranks]
     for i, out in engine.map("analyse", tasks.analyse_rank, calls, progress, nodes):
         res[i] = out
     reports = [r.report for r in res]
@@ -105,9 +109,10 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     # in the in-process diagnosis's order: ranks' causes, the job's, the stragglers'
     causes = [c for r in res for c in r.causes]
     symptoms = [s for r in res for s in r.symptoms]
-    if coupled and all(r.grad_accum for r in res) and res[0].job_causes:
-        c = res[0].job_causes[0]
-        # as grad_accum.detect_job claims them: every rank's exposed communication and waits
+    for c in res[0].job_causes if coupled else []:
+        if c.code == grad_accum.CODE and not all(r.grad_accum for r in res):
+            continue  # some rank has no collective to skip: not the job's cause
+        # as the job detectors claim them: every rank's exposed communication and waits
         c.claims = ([Claim(EXPOSED_COMM, r.rank, _comm_us(r.report)) for r in res]
                     + [Claim(WAITING_RANK, r.rank, 0.0) for r in res])
         causes.append(c)

@@ -20,7 +20,7 @@ from aiprof.analysis.ranks import RankCollectives as Collectives
 from aiprof.analysis.ranks import _diff_evidence, rank_collectives, rank_host
 from aiprof.analysis.report import _analyse_rank
 from aiprof.diagnosis import engine as diag
-from aiprof.diagnosis.causes import grad_accum, straggler
+from aiprof.diagnosis.causes import grad_accum, slow_interconnect, straggler
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import RankCollectives as Coupling
 from aiprof.diagnosis.job import comm_ends, settle
@@ -49,6 +49,9 @@ class RankInput:
     index: int
     coupling: Coupling | None = None  # diagnosis.job.coupling of this rank; None: not coupled
     offset_ns: float = 0.0  # the rank's clock offset (ns to add to put it on the reference clock)
+    # the rank's column of the cross-rank matching (analysis.ranks.align_and_arrivals
+    # "rank_index"): sent for the rank that prices the job's causes, which read message sizes
+    rank_index: np.ndarray | None = None
 
 
 @dataclass
@@ -61,7 +64,7 @@ class Analysed:
     symptoms: list[Symptom]
     baseline: dict  # the report's "baseline" row
     grad_accum: bool  # gradient accumulation with collectives to skip on this rank
-    job_causes: list[Cause]  # GRAD_ACCUM_ALLREDUCE priced on this rank, when asked for
+    job_causes: list[Cause]  # the job's causes (grad_accum, slow_interconnect) priced here, when asked for
 
 
 @dataclass
@@ -136,18 +139,24 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
 
 
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,
-                 job_cause: bool) -> Analysed:
+                 job_cause: bool, n_ranks: int = 0) -> Analysed:
     """One rank's report, causes and symptoms. Each cause is priced by the joint replay of this
     rank and its ``partner`` (a typical rank of the job, standing for all the others: the job's
     step is the slower of the two), or on this rank alone when the job is not coupled.
-    ``job_cause``: also price the job-wide gradient-accumulation cause, on both ranks (the
-    driver asks the lowest rank, as the in-process diagnosis does). ``token`` names the analysis."""
+    ``job_cause``: also detect the job-wide causes (gradient accumulation, a slow interconnect
+    among the job's ``n_ranks`` ranks) and price them on both ranks (the driver asks the lowest
+    rank, as the in-process diagnosis does). ``token`` names the analysis."""
     rt = open_rank(inp)
     rep, f, pair, pricer = _pair(rt, inp, partner, entry, top, token)
     causes, symptoms = diag.diagnose_rank(f, pricer)
     a, o, _ = grad_accum._skippable(f)
     skippable = bool(a.any() or o.any())
-    job = grad_accum.detect_job(pair, pricer) if job_cause and skippable else []
+    job = []
+    if job_cause and pricer.coupled:
+        job += grad_accum.detect_job(pair, pricer) if skippable else []
+        if inp.rank_index is not None:
+            columns = {"collectives": {f.rank: rank_collectives(rt)}, "rank_index": {f.rank: inp.rank_index}}
+            job += slow_interconnect.detect_job(pair, pricer, columns, n_ranks or len(pair))
     return Analysed(rank=rt.rank, report=asdict(rep), causes=_strip(causes), symptoms=symptoms,
                     baseline=diag.baseline_entry(f, pricer.coupled), grad_accum=skippable, job_causes=_strip(job))
 

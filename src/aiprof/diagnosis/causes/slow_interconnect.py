@@ -66,11 +66,13 @@ def collective_bytes(f: RankFacts, rc, ix: np.ndarray) -> tuple[np.ndarray, list
     return nbytes, types
 
 
-def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
-    """One cause for the job when its large collectives crawl on GPUs that NVLink connects."""
+def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | None = None) -> list[Cause]:
+    """One cause for the job when its large collectives crawl on GPUs that NVLink connects.
+    ``n_ranks``: the job's ranks when ``facts`` holds only some of them (a scaled-out analysis
+    prices on a rank and its partner); ``columns`` needs the first rank's entries only."""
     f0 = facts[0]
     dev = device(f0.rt.device_name)
-    n_ranks = len(facts)
+    n_ranks = n_ranks or len(facts)
     if dev is None or dev.nvlink_busbw_gbps <= 0 or n_ranks < 2:
         return []
     if n_ranks > len(f0.rt.meta.get("device_properties") or []):
