@@ -79,8 +79,10 @@ def test_splits_the_last_bucket_and_prices_only_the_critical_path(copies, monkey
     assert 0 < ev["fixed_tail_us_per_step"] < ev["tail_transfer_us_per_step"] / 3
     s = c.saving
     assert s["method"] == "joint replay"
-    # only the tail's reduction can be saved, and the replay decides how much of it is critical
-    assert 0 < s["per_step_us"] <= ev["tail_transfer_us_per_step"] - ev["fixed_tail_us_per_step"] + 1
+    # only the tail's reduction can be saved, and the replay decides how much of it is critical:
+    # here none or next to none (rank 1, the straggler, sets the pace; with the ranks' windows
+    # started together the tail is off the critical path)
+    assert 0 <= s["per_step_us"] <= ev["tail_transfer_us_per_step"] - ev["fixed_tail_us_per_step"] + 1
     assert np.isclose(s["fixed_step_us"], s["baseline_step_us"] - s["per_step_us"])
     # under a 1 % of the step: not reported, and the straggler stays the top cause
     assert s["share"] < 0.01

@@ -16,7 +16,7 @@ from aiprof.diagnosis.graph import (
     build_graph,
     queue_wait_ns,
 )
-from aiprof.diagnosis.job import joint_replay
+from aiprof.diagnosis.job import joint_replay, start_offsets
 from aiprof.diagnosis.profiler_cost import ProfilerCost
 from aiprof.diagnosis.replay import Edit, combine, replay
 
@@ -196,6 +196,40 @@ def test_queue_blocked_launches_on_the_sockets_job():
             assert (launch_ms > 2).sum() >= 10 and cost_ms.max() < 0.2 and waited > 100
         else:
             assert waited < 0.01 * (g.hi - g.lo) / 1e6
+
+
+def test_joint_replay_starts_every_rank_at_its_first_common_step():
+    # rank 0's window was recorded 1 ms before rank 1's (it ran ahead while waiting on the GPU
+    # for rank 1): replayed, both start step 0 together; rank 1 arrives after 40 µs of host
+    # work, rank 0 at once: both leave the all-reduce at 40 + 5 µs
+    def one(rank: int, host_us: float, lo_ns: int) -> Graph:
+        g = graph([(STEP, 0, 0, -1), (COLL_START, host_us, 0, -1), (COLL_END, 0, 0, -1), (END, 0, 0, -1)], [],
+                  rank=rank, a_coll=np.array([-1, 0, 0, -1]), others={0: 0.0}, transfer={0: 5 * US})
+        g.lo = lo_ns
+        g.a_ts = g.a_ts + lo_ns
+        return g
+
+    facts = [_F(one(0, 0, 0)), _F(one(1, 40, 1_000_000))]
+    assert start_offsets(facts) == {0: 0.0, 1: -1_000_000.0}
+    res = joint_replay(facts)
+    assert res[0].host_ns == pytest.approx(45 * US) and res[1].host_ns == pytest.approx(45 * US)
+
+
+def test_a_sync_on_work_from_before_the_window_is_waiting():
+    """straggler2 on two H200s: rank 0 starts its window in a 56 ms cudaEventSynchronize on the
+    all-reduce it launched before the capture (waiting for rank 1). That is the GPU backlog, not
+    host work: the graph keeps a few µs of it."""
+    from aiprof.analysis.steps import find_steps
+    from aiprof.trace.store import open_capture
+    from tests.conftest import DATA
+
+    rt = open_capture(str(DATA / "diagnosis" / "straggler2_fault_rank0.json.gz")).ranks[0]
+    g = build_graph(rt, find_steps(rt), ProfilerCost.none())
+    ev = [i for i in range(g.n_actions) if g.action_name(i) == "cudaEventSynchronize"]
+    first = max(ev, key=lambda i: g.a_end[i] - g.a_ts[i])
+    assert g.a_end[first] - g.a_ts[first] > 40e6 and g.a_ts[first] - g.lo < 1e6
+    assert g.a_wait[first] < 0  # it waited for no op of the window
+    assert g.cost_raw[first] < 0.1e6
 
 
 def test_unedited_replay_reproduces_a_real_trace(gpt2_stall):

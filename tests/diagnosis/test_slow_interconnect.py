@@ -63,8 +63,10 @@ def test_fires_and_prices_below_the_bar(monkeypatch):
     assert ev["busbw_gbps_median"] <= ev["busbw_gbps_best"]
     # the fix moves every transfer to NVLink speed: never slower, and this job was already fast
     assert 0 < ev["fixed_transfer_us_per_step"] < ev["transfer_us_per_step"]
-    # priced by the joint replay, on the job: saving positive and within the step
+    # priced by the joint replay, on the job, within the step: next to nothing here (the link
+    # was NVLink already, and rank 1's own work sets the pace); the saving of a real slow link
+    # is checked on the sockets pair (tests/diagnosis/test_causes.py)
     s = c.saving
     assert s["method"] == "joint replay"
-    assert 0 < s["per_step_us"] < s["baseline_step_us"]
+    assert 0 <= s["per_step_us"] < 0.05 * s["baseline_step_us"]
     assert np.isclose(s["fixed_step_us"], s["baseline_step_us"] - s["per_step_us"])

@@ -110,12 +110,16 @@ def test_four_ranks_straggler_and_causes(ddp4_dir):
     assert seen[-1] == ("stragglers", 1, 1) and ("ingest", 4, 4) in seen and ("analyse", 4, 4) in seen
 
 
-def test_partner_is_a_typical_rank():
+def test_partner_holds_the_job_back():
     waited = {0: 9.0, 1: 8.7, 2: 0.0, 3: 9.1}
-    got = partners([0, 1, 2, 3], waited, {0: 1, 1: 1, 2: 1, 3: 1})
-    # the median wait is 8.85: ranks 0 (9.0) and 1 (8.7) are the most typical (a tie: the lower
-    # rank first); the straggler (2) never is
-    assert got == {0: 1, 1: 0, 2: 0, 3: 0}
+    caused = {0: 0.1, 1: 0.0, 2: 9.0, 3: 0.2}
+    got = partners([0, 1, 2, 3], waited, {0: 1, 1: 1, 2: 1, 3: 1}, caused)
+    # rank 2 made the others wait: every rank is priced with it (a waiting rank's fix cannot
+    # beat it); rank 2 itself with the most typical rank: the median wait is 8.85, ranks 0 (9.0)
+    # and 1 (8.7) tie, the lower rank first
+    assert got == {0: 2, 1: 2, 2: 0, 3: 2}
+    # nobody made anybody wait: the most typical rank, and for it the next most typical
+    assert partners([0, 1, 2, 3], waited, {0: 1, 1: 1, 2: 1, 3: 1}, {}) == {0: 1, 1: 0, 2: 0, 3: 0}
     assert partners([0, 1], {}, {0: 1}) == {}
 
 

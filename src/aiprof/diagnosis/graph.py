@@ -170,6 +170,21 @@ def queue_wait_ns(a_ts: np.ndarray, a_end: np.ndarray, a_kind: np.ndarray, a_wai
     return out
 
 
+def _backlog_wait_ns(rt: RankTrace, ts: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For sync calls that waited for none of the window's own ops: how long each waited for GPU
+    work launched before the window (until the latest op of the trace that ended before the
+    call returned). That is waiting for a backlog the replay does not have (it starts from an
+    idle GPU), not host work: a capture that starts while the GPU is behind, with a sync early
+    in its first step, would otherwise replay the backlog as host time no fix removes."""
+    parts = [t["ts"] + t["dur"] for t in (rt.table("kernels"), rt.table("memops")) if len(t)]
+    if not len(ts) or not parts:
+        return np.zeros(len(ts))
+    ends = np.sort(np.concatenate(parts))
+    pos = np.searchsorted(ends, end + SYNC_CLOCK_TOL_NS, side="right") - 1
+    last = np.where(pos >= 0, ends[np.maximum(pos, 0)], ts)
+    return np.clip(np.minimum(last, end) - ts, 0, None).astype(np.float64)
+
+
 def _host_event_starts(rt: RankTrace, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """Start times inside the window of recorded torch ops/annotations, Python function events
     and builtin (C function) events; and whether input shapes were recorded."""
@@ -372,6 +387,8 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
     if w.any():
         wait_raw[w] = np.clip(o_end[a_wait[w]] - a_ts[w], 0, a_end[w] - a_ts[w])
     wait_raw += queue_wait_ns(a_ts, a_end, a_kind, a_wait, a_code, o_action, o_ts)
+    blocking = np.nonzero((is_sync[code] | is_dev[code]) & (a_row >= 0) & (a_wait < 0))[0]
+    wait_raw[blocking] = _backlog_wait_ns(rt, a_ts[blocking], a_end[blocking])
     cost_raw = (a_end - a_ts).astype(np.float64) - wait_raw
     ops_ts, py_ts, bi_ts, shapes = _host_event_starts(rt, lo, hi)
 

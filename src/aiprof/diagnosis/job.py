@@ -13,7 +13,7 @@ import numpy as np
 
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis.facts import RankFacts, fit_deflation, typical_step_ns
-from aiprof.diagnosis.graph import RankCollectives, build_graph
+from aiprof.diagnosis.graph import STEP, RankCollectives, build_graph
 from aiprof.diagnosis.replay import Edit, ReplayResult, simulate
 
 # Above this many ranks a fix is priced on its own rank with the others' arrivals as recorded
@@ -144,6 +144,26 @@ def window_steps(f: RankFacts) -> Steps:
     return Steps(f.steps.number[keep], f.steps.start[keep], f.steps.end[keep], f.steps.source)
 
 
+def start_offsets(facts: list[RankFacts]) -> dict[int, float]:
+    """Per rank, the ns to add to its clock so that every rank starts the replay's first common
+    step at the same instant (steps are numbered alike on every rank: the profiler's schedule
+    counts them). Recorded, the ranks' step starts differ by what the slow ranks made the others
+    do: a rank that only waits on the GPU runs its host up to a step ahead of a straggler, and
+    keeping that offset would keep the waiting it stands for after the straggler's fix. Without
+    a common step, the clock offsets of the cross-rank matching."""
+    common = set.intersection(*(set(f.graph.step_number.tolist()) for f in facts)) if facts else set()
+    if not common:
+        return {f.rank: f.extra.get("offset_ns", 0.0) for f in facts}
+    first = min(common)
+    out = {}
+    for f in facts:
+        g = f.graph
+        starts = g.a_ts[g.a_kind == STEP]
+        k = int(np.nonzero(g.step_number == first)[0][0])
+        out[f.rank] = -float(starts[k]) if k < len(starts) else f.extra.get("offset_ns", 0.0)
+    return out
+
+
 def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -> dict[int, ReplayResult]:
     """Replay every rank together (see the module docstring): each rank runs until it reaches a
     collective, and a collective is released to a rank once every other rank whose window holds
@@ -151,7 +171,7 @@ def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -
     windows cut the collectives differently) are released in arrival order with the recorded
     arrivals of the missing ranks."""
     edits = edits or {}
-    off = {f.rank: f.extra.get("offset_ns", 0.0) for f in facts}
+    off = start_offsets(facts)
     holders: dict[int, set] = {}  # collective -> the ranks whose replay reaches it
     for f in facts:
         g = f.graph

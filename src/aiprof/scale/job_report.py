@@ -75,7 +75,8 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     coupled = bool(rcols)
     if coupled:  # the rank that prices the job's causes reads its collectives' sizes through it
         inputs[ranks[0]].rank_index = (columns.get("rank_index") or {}).get(ranks[0])
-    pick = partners(ranks, matched[1].waited_us if matched else {}, rcols)
+    pick = partners(ranks, matched[1].waited_us if matched else {}, rcols,
+                    matched[1].caused_wait_us if matched else {})
     token = uuid.uuid4().hex
     # 3. analyse each rank
     res: list[tasks.Analysed] = [None] * len(ing)  # type: ignore[list-item]
@@ -129,16 +130,26 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     }
 
 
-def partners(ranks: list[int], waited_us: dict, coupled: dict) -> dict[int, int]:
-    """Each coupled rank's partner in pricing: the job's most typical rank (the one whose time
-    waiting at collectives is closest to the median rank's: not a straggler, not the earliest),
-    and for that rank itself the next most typical. Empty when fewer than two ranks are coupled."""
+def partners(ranks: list[int], waited_us: dict, coupled: dict, caused_us: dict | None = None) -> dict[int, int]:
+    """Each coupled rank's partner in pricing. The job's step is its slowest rank's, so the pair
+    must hold the rank that holds the job back: every rank is paired with the one that made the
+    others wait longest at collectives (``caused_us``), and that rank with the job's most
+    typical rank (the one whose time waiting at collectives is closest to the median rank's: not
+    a straggler, not the earliest), which stands for the others once it is fixed. Without a rank
+    that made others wait, every rank is paired with the most typical one (that one with the
+    next most typical). Empty when fewer than two ranks are coupled."""
     cand = [r for r in ranks if r in coupled]
     if len(cand) < 2:
         return {}
     med = float(np.median([waited_us.get(r, 0.0) for r in cand]))
-    ref, ref2 = sorted(cand, key=lambda r: (abs(waited_us.get(r, 0.0) - med), r))[:2]
-    return {r: ref if r != ref else ref2 for r in cand}
+    typical = sorted(cand, key=lambda r: (abs(waited_us.get(r, 0.0) - med), r))
+    caused = caused_us or {}
+    slow = max(cand, key=lambda r: (caused.get(r, 0.0), -r))
+    if caused.get(slow, 0.0) <= 0:
+        ref, ref2 = typical[:2]
+        return {r: ref if r != ref else ref2 for r in cand}
+    ref = next(r for r in typical if r != slow)
+    return {r: slow if r != slow else ref for r in cand}
 
 
 def default_cpus() -> int:

@@ -5,9 +5,9 @@ trace itself: the driver sends a path and receives a summary of a few hundred kB
 store a rank's ingest writes (beside the trace, or in the cache folder) is what the later tasks
 of that rank read, so a trace is parsed once.
 
-Pricing here is per rank and pair: each cause is priced by the joint replay of its rank and one
-typical rank of the job, its partner (the joint replay of every rank needs every rank's graph
-in one process; see docs/scale.md).
+Pricing here is per rank and pair: each cause is priced by the joint replay of its rank and its
+partner, the rank that holds the job back (for that rank, a typical one; the joint replay of
+every rank needs every rank's graph in one process; see docs/scale.md and job_report.partners).
 """
 from __future__ import annotations
 
@@ -141,8 +141,9 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,
                  job_cause: bool, n_ranks: int = 0) -> Analysed:
     """One rank's report, causes and symptoms. Each cause is priced by the joint replay of this
-    rank and its ``partner`` (a typical rank of the job, standing for all the others: the job's
-    step is the slower of the two), or on this rank alone when the job is not coupled.
+    rank and its ``partner`` (job_report.partners: the rank holding the job back, standing for
+    all the others: the job's step is the slower of the two), or on this rank alone when the job
+    is not coupled.
     ``job_cause``: also detect the job-wide causes (gradient accumulation, a slow interconnect
     among the job's ``n_ranks`` ranks) and price them on both ranks (the driver asks the lowest
     rank, as the in-process diagnosis does). ``token`` names the analysis."""
