@@ -181,13 +181,13 @@ def unfused_optimizer():
 
 
 def item_per_param():
-    """Per-parameter grad-norm logging with .item(): one host sync per parameter tensor.
-    Fix: the same norms stacked on the device and copied once. The base model on 8 x 512
-    tokens (a small-batch job): its 76 syncs cost a share of the step that run-to-run noise
-    does not hide (on 16 x 1024 tokens they were ~2 ms within +-3 ms of noise)."""
+    """Per-parameter gradient statistics logged with .item(): three host syncs per parameter
+    tensor (norm, largest magnitude, mean: 228 a step on the base job's 76 tensors). Fix: the
+    same statistics stacked on the device and copied once. The base job stays GPU-bound, so
+    the syncs are the only change (one read per tensor on 16 x 1024 tokens was ~2 ms, inside
+    +-3 ms of run-to-run noise; on 8 x 512 tokens the job was launch-bound: two causes at once)."""
     def make(fault):
-        model, opt, _ = base_job()
-        x = torch.randint(0, 8192, (8, 512), device=DEV)
+        model, opt, x = base_job()
         params = [p for p in model.parameters()]
         log = []
 
@@ -196,14 +196,15 @@ def item_per_param():
                 loss = model(x, labels=x).loss
             loss.backward()
             if fault:
-                norms = [p.grad.norm().item() for p in params]
+                stats = [(p.grad.norm().item(), p.grad.abs().max().item(), p.grad.mean().item()) for p in params]
             else:
-                norms = torch.stack([p.grad.norm() for p in params]).cpu().tolist()
-            log.append(max(norms))
+                stats = torch.stack([torch.stack((p.grad.norm(), p.grad.abs().max(), p.grad.mean()))
+                                     for p in params]).cpu().tolist()
+            log.append(max(s[0] for s in stats))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
-    return make, "HOST_SYNC", "stack the norms on the GPU and copy once"
+    return make, "HOST_SYNC", "stack the statistics on the GPU and copy once"
 
 
 _WORDS = None
@@ -497,16 +498,17 @@ def _ddp_rank(rank: int, port: int, q, traces: str, job: str) -> None:
     if two:
         DEV = f"cuda:{rank}"
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if two else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    out = {"backend": dist.get_backend(), "device": torch.cuda.get_device_name(DEV)}
+    # $PAIRS_DDP_BACKEND=gloo keeps gloo on two GPUs (the collectives then run on the host)
+    backend = os.environ.get("PAIRS_DDP_BACKEND") or ("nccl" if two else "gloo")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out = {"backend": dist.get_backend(), "device": torch.cuda.get_device_name(DEV), "gpus": 2 if two else 1}
     for variant in ("fault", "fix", "fault", "fix", "fault", "fix", "trace_fault", "trace_fix"):
         torch.manual_seed(0)
-        if two and job == "accum":
+        if backend == "nccl" and job == "accum":
             net, x = gpt2(n_layer=4, n_embd=1024, n_head=16, vocab=8192), torch.randint(0, 8192, (4, 256), device=DEV)
         else:
             net, x = gpt2(n_layer=4, n_embd=256, n_head=4, vocab=1024), torch.randint(0, 1024, (8, 256), device=DEV)
-        model = DDP(net, device_ids=[rank] if two else None)
+        model = DDP(net, device_ids=[rank] if two and backend == "nccl" else None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         fault = variant.endswith("fault")
         slow = job == "straggler" and rank == 1 and fault
@@ -570,9 +572,10 @@ def ddp2(job: str) -> dict:
             p.kill()
     if len(res) < len(procs):
         raise RuntimeError(f"{job}: only ranks {sorted(res)} reported")
-    env = {k: res[0].pop(k) for k in ("backend", "device")}
+    env = {k: res[0].pop(k) for k in ("backend", "device", "gpus")}
     for o in res.values():
-        o.pop("backend", None), o.pop("device", None)
+        for k in env:
+            o.pop(k, None)
     med = {r: {k: sorted(v)[len(v) // 2] for k, v in o.items()} for r, o in res.items()}
     f, x = med[0]["fault"], med[0]["fix"]
     expect, fix = (("STRAGGLER", "rank 1 loads its input without the 30 ms stall") if job == "straggler" else

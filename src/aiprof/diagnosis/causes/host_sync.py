@@ -28,6 +28,42 @@ PER_TENSOR_MIN = 8
 _OWN_FRAMES = ("torch/profiler/", "torch/autograd/profiler", "aiprof/")
 
 
+def _read_span(f: RankFacts, node: int) -> tuple[int, int] | None:
+    """Start and end of the outermost read op (``aten::item`` around ``_local_scalar_dense``)
+    holding the host node, or None outside one."""
+    span = None
+    for n in f.tree.ancestors(node):
+        if f.tree.kind[n] == OP:
+            if not is_scalar_read(f.tree.name(n)):
+                break
+            span = (int(f.tree.start[n]), int(f.tree.end[n]))
+    return span
+
+
+def _remove_read_host_time(f: RankFacts, drop: np.ndarray, e) -> None:
+    """The fix removes the reads themselves, not only their waits: the host time inside each
+    dropped read op (its dispatch, the copy and sync calls, the conversion to a Python number)
+    goes too; in a host-bound loop that is most of what a read costs."""
+    g = f.graph
+    nodes = f.action_nodes()
+    prev_end = np.concatenate([[g.lo], np.maximum.accumulate(g.a_end)[:-1]])
+    for a in drop.tolist():
+        span = _read_span(f, int(nodes[a])) if nodes[a] >= 0 else None
+        if span is None:
+            continue
+        s, t = span
+        lo_i, hi_i = np.searchsorted(g.a_ts, s), np.searchsorted(g.a_ts, t, side="right")
+        inside = np.arange(lo_i, hi_i)
+        inside = inside[g.a_row[inside] >= 0]
+        # calls made inside the read, and the host time before each that the read spent
+        frac = np.clip((g.a_ts[inside] - np.maximum(prev_end[inside], s)) / np.maximum(g.gap_raw[inside], 1), 0, 1)
+        e.gap_remove[inside] += np.maximum(g.gap[inside], 0) * frac
+        e.cost_remove[inside] = g.cost[inside]
+        if hi_i < g.n_actions:  # the read's tail (the Python number) before the next call
+            tail = np.clip((t - prev_end[hi_i]) / max(g.gap_raw[hi_i], 1), 0, 1)
+            e.gap_remove[hi_i] += max(g.gap[hi_i], 0) * tail
+
+
 def detect(f: RankFacts) -> list[Cause]:
     g = f.graph
     waits = np.nonzero((g.a_wait >= 0) & (g.a_row >= 0))[0]
@@ -84,6 +120,7 @@ def detect(f: RankFacts) -> list[Cause]:
             e.no_wait[drop] = True
             e.cost_remove[drop] = g.cost[drop]
             e.drop_op[np.isin(g.o_action, drop)] = True
+            _remove_read_host_time(f, drop, e)
             pattern = "per-tensor"
             remedy = (f"Keep the values on the GPU and copy them once per step: collect them with torch.stack(...) "
                       f"(or torch._foreach_norm for norms) and call .cpu()/.tolist() once, instead of "
