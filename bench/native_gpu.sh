@@ -12,7 +12,7 @@ python3 -c "import frida, msgspec, torch; print('frida', frida.__version__, 'tor
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 timeout 60 python3 bench/probe_cost.py --calls 200000 --json $OUT/probe_cost.json
 cd /tmp && W=/tmp/w && mkdir -p $W
-python3 $OLDPWD/examples/ddp_gpt2.py --seconds 110 --log $W/steps.log --buckets $OUT/buckets.json > $W/job.log 2>&1 &
+python3 $OLDPWD/examples/ddp_gpt2.py --seconds 110 --step-times $W/steps.log --buckets $OUT/buckets.json > $W/job.log 2>&1 &
 JOB=$!  # the job bounds itself (--seconds)
 for i in $(seq 1 90); do [ -f $W/steps.log ] && [ $(wc -l < $W/steps.log) -ge 60 ] && break; sleep 1; done
 grep -l nccl /proc/$JOB/maps >/dev/null && grep -o '/[^ ]*libnccl[^ ]*' /proc/$JOB/maps | sort -u

@@ -246,7 +246,12 @@ def gpt2(chosen: dict) -> None:
             samp = prof = None
             if "pm" in mode:
                 samp = pm.PmSampler(0, 100, chosen)
-                samp.start()
+                try:
+                    samp.start()
+                except pm.PmUnavailable as exc:  # keep the rounds measured so far
+                    R.setdefault("gpt2_start_errors", []).append({"round": r, "mode": mode, "error": str(exc)})
+                    save()
+                    continue
             if "kineto" in mode:
                 prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
                 prof.start()
@@ -258,12 +263,13 @@ def gpt2(chosen: dict) -> None:
             res[mode].append(statistics.median(ts))
             if s is not None:
                 R.setdefault("gpt2_pm_runs", []).append({"mode": mode, "rows": int(len(s.t0)), "stats": s.stats})
+    res = {m: v for m, v in res.items() if v}
     base = statistics.median(res["none"])
     kin = statistics.median(res["kineto"])
     R["gpt2"] = {"median_step_ms": {m: round(statistics.median(v) * 1e3, 3) for m, v in res.items()},
                  "per_round_ms": {m: [round(x * 1e3, 3) for x in v] for m, v in res.items()},
                  "ratio_vs_none": {m: round(statistics.median(v) / base, 4) for m, v in res.items()},
-                 "kineto+pm_vs_kineto": round(statistics.median(res["kineto+pm"]) / kin, 4),
+                 "kineto+pm_vs_kineto": round(statistics.median(res["kineto+pm"]) / kin, 4) if "kineto+pm" in res else None,
                  "steps": N, "rounds": ROUNDS}
 
 

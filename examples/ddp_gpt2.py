@@ -2,7 +2,7 @@
 
 Run under torchrun for several GPUs, or alone for a 1-rank NCCL group (DDP still all-reduces its
 gradient buckets through ncclAllReduce). Each step's time (after a CUDA synchronize) is appended
-to ``--log`` as ``step unix_ns ms``; the DDP bucket sizes are written once to ``--buckets``.
+to ``--step-times`` as ``step unix_ns ms`` (``{rank}`` in the path: one file per rank); the DDP bucket sizes are written once to ``--buckets``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
-    ap.add_argument("--log", default="steps.log")
+    # not --log: under torchrun an abbreviation of its own --log-dir/--logs-specs is refused
+    ap.add_argument("--step-times", default="steps.log", help="per-step times; {rank} in the name is the rank")
     ap.add_argument("--buckets", default="buckets.json")
     args = ap.parse_args()
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -39,7 +40,7 @@ def main() -> int:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
     t_end = time.time() + args.seconds
     step = 0
-    with open(args.log, "w") as log:
+    with open(args.step_times.format(rank=rank), "w") as log:
         while time.time() < t_end:
             t0 = time.perf_counter()
             x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from aiprof.agent.config import CaptureRequest, RequestError
-from aiprof.agent.hwmon import HwSampler
+from aiprof.agent.hwmon import HwSampler, pm_refused
 from aiprof.agent.pmsampling import PmSampler, PmUnavailable
 
 
@@ -67,6 +67,27 @@ def test_pm_setup_waiting_for_the_profiler_is_released_by_stop():
     s.stop(timeout=10)
     assert s._pm_ready.wait(10)
     assert not s.pm_status["ok"] and "before the profiler was ready" in s.pm_status["error"]
+
+
+@pytest.mark.parametrize("env, refused", [({}, False), ({"LOCAL_RANK": "0"}, False), ({"LOCAL_RANK": "1"}, True),
+                                          ({"LOCAL_RANK": "3", "AIPROF_PM_ALL_RANKS": "1"}, False)])
+def test_one_process_per_host_samples(env, refused):
+    assert bool(pm_refused(env)) == refused
+
+
+def test_a_second_local_rank_does_not_sample_and_says_why(monkeypatch):
+    # two processes sampling at once crashed a 2-rank DDP job (hwmon.pm_refused): local rank 1
+    # falls back to NVML/GPM with a note, without touching CUPTI
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("AIPROF_PM_ALL_RANKS", raising=False)
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=1)
+    s.profiler_ready.set()
+    s.start()
+    assert s._pm_ready.wait(10)
+    s.stop(timeout=10)
+    assert not s.pm_status["ok"] and "local rank 1" in s.pm_status["error"]
+    assert any("PM sampling not run here" in n and "NVML/GPM" in n for n in s.notes)
+    assert "cupti-pm" not in s.sources
 
 
 def test_hw_sampler_pm_off_asks_nothing():

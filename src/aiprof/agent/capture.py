@@ -259,6 +259,10 @@ class CaptureDriver:
         the first time), so that the capture's sampler only configures and starts."""
         if "hw" not in req.what or not req.hw_pm_interval_us:
             return
+        from aiprof.agent.hwmon import pm_refused
+
+        if pm_refused():  # this process will not sample (one per host): nothing to resolve
+            return
         torch = sys.modules.get("torch")
         try:
             if torch is None or not torch.cuda.is_initialized():

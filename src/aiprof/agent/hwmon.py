@@ -191,6 +191,26 @@ PM_SETUP_WAIT_S = 0.0
 PROFILER_READY_WAIT_S = 30.0
 
 
+# Set to "1" to let every local rank run CUPTI PM sampling (see pm_refused).
+PM_ALL_RANKS_ENV = "AIPROF_PM_ALL_RANKS"
+
+
+def pm_refused(env: dict | None = None) -> str | None:
+    """Why this process must not run CUPTI PM sampling, or None. Two processes of one host
+    sampling at once (two DDP ranks on two H200s) crashed both with SIGSEGV at the end of the
+    capture, with or without the NVLink counters, while one process sampled fine (device runs
+    of 2026-11-23, bench/x2_pmcrash.sh): one process per host samples, local rank 0, which also
+    sees the NVLink traffic of its GPU. ``AIPROF_PM_ALL_RANKS=1`` lifts the rule."""
+    env = os.environ if env is None else env
+    if env.get(PM_ALL_RANKS_ENV) == "1":
+        return None
+    local = env.get("LOCAL_RANK")
+    if local not in (None, "", "0"):
+        return (f"one process per host samples (local rank 0; this is local rank {local}): several at once "
+                f"crashed the job; {PM_ALL_RANKS_ENV}=1 lifts this")
+    return None
+
+
 class HwSampler:
     """Samples until :meth:`stop`; samples are kept in memory (bounded) and returned by stop."""
 
@@ -226,6 +246,12 @@ class HwSampler:
         t0 = time.perf_counter()
         if self.cuda_index is None:  # a CPU job: the note "no CUDA device in use" already says it
             self.pm_status["error"] = "no CUDA device in use"
+            self._pm_ready.set()
+            return
+        why = pm_refused()
+        if why:
+            self.pm_status["error"] = why
+            self.notes.append(f"CUPTI PM sampling not run here: {why}; GPU counters come from NVML/GPM only")
             self._pm_ready.set()
             return
         try:

@@ -49,6 +49,8 @@ MIN_SAMPLES_PER_DECODE = 64
 #: as dropped, never grown: 144 bytes a row (two times, 32 float slots) = 86 MB at most,
 #: resident only as rows arrive.
 MAX_ROWS = 600_000
+#: Columns to leave out of the sampled set (comma list, e.g. "pm_nvlink_tx_Bps,pm_nvlink_rx_Bps").
+SKIP_ENV = "AIPROF_PM_SKIP"
 #: Bound on every wait for the C side (stop joins the decode thread).
 STOP_TIMEOUT_S = 5.0
 
@@ -294,7 +296,8 @@ def resolve_metrics(device: int = 0, roles: list[tuple[str, str, list[str]]] | N
     import json
 
     lib = _load()
-    roles = roles or ROLES
+    skip = {c.strip() for c in os.environ.get(SKIP_ENV, "").split(",") if c.strip()}
+    roles = roles or ([r for r in ROLES if r[0] not in skip] if skip else ROLES)
     firsts = [(c, cands[0]) for c, _u, cands in roles]
     rc_all = lib.aps_passes(device, _names([m for _, m in firsts]), len(firsts))
     chip = lib.aps_chip().decode(errors="replace")

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from aiprof.analysis.intervals import union
 from aiprof.analysis.launch import launch_rows
 from aiprof.trace.store import RankTrace
 
@@ -33,6 +32,11 @@ _DTYPE_BYTES = {"float": 4, "float32": 4, "half": 2, "float16": 2, "bfloat16": 2
 TOP_CALLS = 200  # collectives listed one by one in the report (the summary covers all)
 # torch records a collective (record_param_comms) right before it calls NCCL on the same thread;
 # a record further back than this belongs to an earlier collective
+# The probe's call times reach the trace clock through the sidecar's clock mapping, which can be
+# tens of µs off Kineto's: the kernel launches inside ncclAllReduce were recorded 2-25 µs into
+# the call on one rank and 61-89 µs after the call's start (past its end) on the other (2-rank
+# DDP on two H200s). A call takes the nearest unused launch within this of its window.
+JOIN_CLOCK_TOL_NS = 100_000
 ISSUE_WINDOW_NS = 2_000_000
 
 
@@ -212,7 +216,7 @@ def _collectives(rt: RankTrace, calls, out: NativeAnalysis) -> None:
     for i in rows:
         a = _args(calls.strings("args").values()[i])
         g = int(group_end[i])
-        win_lo, win_hi = int(ts[i]), int(ts[i] + dur[i])
+        win_lo, win_hi = int(ts[i]) - JOIN_CLOCK_TOL_NS, int(ts[i] + dur[i]) + JOIN_CLOCK_TOL_NS
         how = "none"
         hit = np.zeros(0, np.int64)
         if len(kern_rows):
@@ -220,13 +224,13 @@ def _collectives(rt: RankTrace, calls, out: NativeAnalysis) -> None:
             hit = np.nonzero(inside)[0]
             how = "launch" if len(hit) else how
             if not len(hit) and g >= 0:
-                gl, gh = int(ts[g]), int(ts[g] + dur[g])
+                gl, gh = int(ts[g]) - JOIN_CLOCK_TOL_NS, int(ts[g] + dur[g]) + JOIN_CLOCK_TOL_NS
                 inside = (~used) & (launch_tid == tid[i]) & (launch_ts >= gl) & (launch_ts <= gh)
                 hit = np.nonzero(inside)[0]
                 how = "group" if len(hit) else how
         kname, gpu_us, kbytes = "", None, None
         if len(hit):
-            j = int(hit[0])
+            j = int(hit[np.argmin(np.abs(launch_ts[hit] - int(ts[i])))])
             used[j] = True
             kr = int(kern_rows[j])
             kname, gpu_us = str(knames[kr]), float(k["dur"][kr]) / 1e3
