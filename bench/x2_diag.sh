@@ -1,12 +1,8 @@
 #!/bin/bash
-set -u
-T0=$(date +%s)
-say() { echo "== $* ($(( $(date +%s) - T0 )) s)"; }
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-S=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target $S .whl/x2/*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:$S
-K=/tmp/keep; mkdir -p $K
+# Two NVLink H200s: `aiprof run --what kernels,hw` of 2-rank DDP GPT-2 with PM sampling (60 s
+# job) and without (35 s job), then `aiprof attach` with the default probe file into both ranks
+# of a running job (docs/capture.md, "Two ranks on two NVLink H200s"). WHL=.whl/x2 (frida, msgspec).
+. "$(dirname "$0")/x2_common.sh"
 run_pm() {  # name pm_us seconds
   say "run $1 pm=$2 job=$3 s"
   timeout 150 python3 -m aiprof run --skip 20 -n 5 --what kernels,hw --hw-pm-interval-us $2 --out /tmp/cap --capture-id $1 -- \

@@ -3,13 +3,7 @@
 # 100` with PM sampling in local rank 0 only (hwmon.pm_refused): NVLink counters during the
 # all-reduces, and does the job live; (2)-(3) does a 2-rank job exit after a kernels capture,
 # with CUPTI left attached (TEARDOWN_CUPTI=0, the job's choice) and with aiprof's teardown.
-set -u
-T0=$(date +%s)
-say() { echo "== $* ($(( $(date +%s) - T0 )) s)"; }
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/x2/msgspec*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:/tmp/site
-K=/tmp/keep; mkdir -p $K
+. "$(dirname "$0")/x2_common.sh"
 cap() {  # name pm_us job_seconds port timeout
   say "aiprof run $1 (pm ${2} us, job ${3} s, TEARDOWN_CUPTI=${TEARDOWN_CUPTI:-unset})"
   timeout $5 python3 -m aiprof run --skip 20 -n 5 --what kernels,hw --hw-pm-interval-us $2 --out /tmp/cap --capture-id $1 -- \

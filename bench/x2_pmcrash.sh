@@ -3,13 +3,7 @@
 # a capture (SIGSEGV in both ranks, device runs of 2026-11-23): the job without aiprof (does
 # it exit?), PM on one rank alone, PM on two ranks without the NVLink counters, PM on two ranks
 # with every counter.
-set -u
-T0=$(date +%s)
-say() { echo "== $* ($(( $(date +%s) - T0 )) s)"; }
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/x2/msgspec*.whl 2>&1 | tail -2
-export PYTHONPATH=$PWD/src:/tmp/site
-K=/tmp/keep; mkdir -p $K
+. "$(dirname "$0")/x2_common.sh"
 ddp() { python3 -m torch.distributed.run --nproc_per_node $1 --master_port $2 examples/ddp_gpt2.py --seconds $3 --step-times $K/$4_steps{rank}.log --buckets /dev/null; }
 say "plain job, 2 ranks, 15 s"
 timeout 60 bash -c "$(declare -f ddp); K=$K; ddp 2 29651 15 plain" > $K/plain.log 2>&1; echo "plain rc=$? $(grep -c 'steps$' $K/plain.log) ranks said bye"
