@@ -76,3 +76,25 @@ def test_offstop_0_keeps_torchs_own_stop(rt, tmp_path):
     meta = load_meta(d)
     assert meta["stop"] == {"how": "stop_trace", "why": "AIPROF_OFFSTOP=0"}
     assert profiler_steps(load_trace(d)) == [2, 3]
+
+
+def test_clock_marker_keeps_the_tightest_bracket(monkeypatch):
+    """A thread preempted between the marker's two clock reads widens that bracket: the marker is
+    retaken (named #k) and the tightest kept, stopping at a good one."""
+    from contextlib import contextmanager
+
+    from aiprof.agent import capture
+
+    reads = iter([0, 7_000_000, 10_000_000, 10_900_000, 20_000_000, 20_010_000, 30_000_000, 30_000_001])
+    monkeypatch.setattr(capture.time, "time_ns", lambda: next(reads))
+    names = []
+
+    @contextmanager
+    def record_function(name):
+        names.append(name)
+        yield
+
+    got = capture.clock_marker(record_function)
+    # brackets 7 ms, 0.9 ms, then 10 µs (good: stop there)
+    assert names == ["aiprof::clock_sync#0", "aiprof::clock_sync#1", "aiprof::clock_sync#2"]
+    assert got == {"marker_unix_ns": [20_000_000, 20_010_000], "marker_name": "aiprof::clock_sync#2"}

@@ -36,6 +36,12 @@ from aiprof.agent.config import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
 CLOCK_MARKER = "aiprof::clock_sync"
+# The marker is taken up to this many times (named CLOCK_MARKER#k) and the tightest bracket
+# kept: a thread preempted between its two clock reads widens one by milliseconds on a loaded
+# machine, and every file placed on the trace clock by it (calls, syscalls, counters) moves.
+CLOCK_MARKER_TRIES = 5
+# A bracket this tight is kept at once (two time_ns() reads around a record_function: ~5-30 µs).
+CLOCK_MARKER_GOOD_NS = 50_000
 META_SCHEMA = "aiprof.capture/1"
 START_TIMEOUT_S = 10.0  # a pending call on a main thread that runs no Python for this long is dropped
 EXPORT_WAIT_AT_EXIT_S = 30.0
@@ -83,6 +89,23 @@ def rank_info() -> dict[str, int | None]:
         world = env_int("WORLD_SIZE")
     return {"rank": rank if rank is not None else 0, "world_size": world if world is not None else 1,
             "local_rank": env_int("LOCAL_RANK")}
+
+
+def clock_marker(record_function) -> dict:
+    """Record the clock marker (see CLOCK_MARKER_TRIES): ``marker_unix_ns`` [t0, t1] around the
+    kept marker's record_function, and its ``marker_name``."""
+    best: tuple[int, int, str] | None = None
+    for k in range(CLOCK_MARKER_TRIES):
+        name = f"{CLOCK_MARKER}#{k}"
+        t0 = time.time_ns()
+        with record_function(name):
+            t1 = time.time_ns()
+        if best is None or t1 - t0 < best[1] - best[0]:
+            best = (t0, t1, name)
+        if t1 - t0 <= CLOCK_MARKER_GOOD_NS:
+            break
+    assert best is not None
+    return {"marker_unix_ns": [best[0], best[1]], "marker_name": best[2]}
 
 
 class CaptureDriver:
@@ -483,12 +506,9 @@ class CaptureDriver:
             self.prof_thread = threading.get_ident()
             from torch.autograd.profiler import record_function
 
-            t0 = time.time_ns()
-            with record_function(CLOCK_MARKER):
-                t1 = time.time_ns()
-            self.clock = {"marker_unix_ns": [t0, t1]}
+            self.clock = clock_marker(record_function)
             self.t_start = time.perf_counter()
-            self.t_start_unix_ns = t0
+            self.t_start_unix_ns = self.clock["marker_unix_ns"][0]
             self.state = RECORDING
         except Exception as exc:
             self.prof = None
@@ -593,12 +613,13 @@ class CaptureDriver:
                         cuda_dev = (self.info.get("device") or {}).get("index") \
                             if "cuda" in (self.info.get("activities") or ()) else None
                         try:
-                            out = finish_detached(offstop.ready(), handle, d, req.max_trace_mb << 20, CLOCK_MARKER,
-                                                  cuda_dev)
+                            out = finish_detached(offstop.ready(), handle, d, req.max_trace_mb << 20,
+                                                  self.clock.get("marker_name", CLOCK_MARKER), cuda_dev)
                         finally:
                             self.finished.set()
                     else:
-                        out = write_trace(self.prof, d, req.max_trace_mb << 20, CLOCK_MARKER, self.info.get("stop_ms"))
+                        out = write_trace(self.prof, d, req.max_trace_mb << 20,
+                                          self.clock.get("marker_name", CLOCK_MARKER), self.info.get("stop_ms"))
                 finally:
                     t0 = time.perf_counter()
                     release_results(self.prof)  # holds the GIL as long as it takes: timed, for the record
@@ -694,7 +715,8 @@ class CaptureDriver:
                 "trace_minus_unix_us": round(ts - mid_us, 3),
                 "uncertainty_us": round((t1 - t0) / 2000.0, 3),
                 "marker_ts_us": ts,
-                "method": f"record_function {CLOCK_MARKER!r} between two time.time_ns() reads",
+                "method": f"record_function {self.clock.get('marker_name', CLOCK_MARKER)!r} between two "
+                          f"time.time_ns() reads, the tightest of up to {CLOCK_MARKER_TRIES}",
             })
         except Exception as exc:
             self.errors.append(f"clock offset: {type(exc).__name__}: {exc}")
