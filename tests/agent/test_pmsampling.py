@@ -72,7 +72,13 @@ def test_pm_setup_waiting_for_the_profiler_is_released_by_stop():
 @pytest.mark.parametrize("env, refused", [({}, False), ({"LOCAL_RANK": "0"}, False), ({"LOCAL_RANK": "1"}, True),
                                           ({"LOCAL_RANK": "3", "AIPROF_PM_ALL_RANKS": "1"}, False)])
 def test_one_process_per_host_samples(env, refused):
-    assert bool(pm_refused(env)) == refused
+    assert bool(pm_refused(env, sessions=0)) == refused
+
+
+def test_one_pm_session_per_process():
+    assert pm_refused({}, sessions=0) is None
+    assert "one PM session per process" in pm_refused({}, sessions=1)
+    assert pm_refused({"AIPROF_PM_REPEAT": "1"}, sessions=3) is None
 
 
 def test_a_second_local_rank_does_not_sample_and_says_why(monkeypatch):

@@ -70,3 +70,20 @@ def test_fires_and_prices_below_the_bar(monkeypatch):
     assert s["method"] == "joint replay"
     assert 0 <= s["per_step_us"] < 0.05 * s["baseline_step_us"]
     assert np.isclose(s["fixed_step_us"], s["baseline_step_us"] - s["per_step_us"])
+
+
+def test_counters_show_the_link_unused():
+    """2-rank DDP GPT-2 on two NVLink H200s with NCCL forced onto sockets, PM counters sampled by
+    rank 0 (bench/x2_pm_last.sh): the cause fires, and the GPU's own counters read NVLink idle
+    and PCIe carrying the traffic during the all-reduces."""
+    from tests.conftest import DATA
+
+    rep = build_report(open_capture(str(DATA / "sockets_pm_h200x2")))
+    (c,) = [x for x in rep["causes"] if x["code"] == "SLOW_INTERCONNECT"]
+    link = c["evidence"]["counters"]
+    assert link["sampled_us"] > 100_000  # 0.1 s of all-reduce kernels under samples
+    assert link["nvlink_gbps"] < 0.01 and link["nvlink_pct_of_peak"] < 0.01
+    assert link["pcie_gbps"] > 1.0
+    assert "counters agree" in c["mechanism"]
+    # on the job's NVLink ranks (no counters) the same cause stays silent
+    assert "SLOW_INTERCONNECT" not in codes(build_report(open_capture(DDP2)))

@@ -193,21 +193,33 @@ PROFILER_READY_WAIT_S = 30.0
 
 # Set to "1" to let every local rank run CUPTI PM sampling (see pm_refused).
 PM_ALL_RANKS_ENV = "AIPROF_PM_ALL_RANKS"
+# Set to "1" to let a process run more than one CUPTI PM session (see pm_refused).
+PM_REPEAT_ENV = "AIPROF_PM_REPEAT"
+# PM sessions this process started (pm_refused allows one)
+_PM_SESSIONS = 0
 
 
-def pm_refused(env: dict | None = None) -> str | None:
-    """Why this process must not run CUPTI PM sampling, or None. Two processes of one host
-    sampling at once (two DDP ranks on two H200s) crashed both with SIGSEGV at the end of the
-    capture, with or without the NVLink counters, while one process sampled fine (device runs
-    of 2026-11-23, bench/x2_pmcrash.sh): one process per host samples, local rank 0, which also
-    sees the NVLink traffic of its GPU. ``AIPROF_PM_ALL_RANKS=1`` lifts the rule."""
+def pm_refused(env: dict | None = None, sessions: int | None = None) -> str | None:
+    """Why this process must not run CUPTI PM sampling now, or None (device runs on two H200s,
+    2026-11-23, docs/capture.md):
+
+    * Two processes of one host sampling at once (two DDP ranks) both died with SIGSEGV at the
+      end of the capture, with or without the NVLink counters, while one process sampled fine
+      (bench/x2_pmcrash.sh): one process per host samples, local rank 0, which also sees the
+      NVLink traffic of its GPU. ``AIPROF_PM_ALL_RANKS=1`` lifts this.
+    * A second PM session in a process, after a Kineto session, failed with CUPTI_ERROR_UNKNOWN
+      when Kineto had torn CUPTI down and crashed the process (SIGSEGV) when it had not
+      (``TEARDOWN_CUPTI=0``; bench/pm_probe.py in bench/x2_pm_last.sh): one PM session per
+      process, the first capture that asks for it. ``AIPROF_PM_REPEAT=1`` lifts this."""
     env = os.environ if env is None else env
-    if env.get(PM_ALL_RANKS_ENV) == "1":
-        return None
+    sessions = _PM_SESSIONS if sessions is None else sessions
     local = env.get("LOCAL_RANK")
-    if local not in (None, "", "0"):
+    if env.get(PM_ALL_RANKS_ENV) != "1" and local not in (None, "", "0"):
         return (f"one process per host samples (local rank 0; this is local rank {local}): several at once "
                 f"crashed the job; {PM_ALL_RANKS_ENV}=1 lifts this")
+    if env.get(PM_REPEAT_ENV) != "1" and sessions >= 1:
+        return (f"one PM session per process (this process had one already): a second one after Kineto's "
+                f"failed or crashed the process; {PM_REPEAT_ENV}=1 lifts this")
     return None
 
 
@@ -268,6 +280,8 @@ class HwSampler:
                     self.pm_status["error"] = msg
                     self.notes.append(f"CUPTI PM sampling: {msg}; GPU counters come from NVML/GPM only")
                     return
+                global _PM_SESSIONS
+                _PM_SESSIONS += 1  # counted before the start: a start that fails has touched CUPTI too
                 pm.start()
                 self.pm = pm
             self.pm_status.update({"ok": True, "columns": pm.columns, "metrics": pm.metrics, "chip": pm.chip,

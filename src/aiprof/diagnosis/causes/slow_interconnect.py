@@ -66,6 +66,35 @@ def collective_bytes(f: RankFacts, rc, ix: np.ndarray) -> tuple[np.ndarray, list
     return nbytes, types
 
 
+def link_counters(counters: list) -> dict | None:
+    """What the GPU's PM counters read during the communication kernels (analysis.counters,
+    per collective kernel), on the first rank that sampled them: NVLink bytes per second
+    (the larger direction), its share of the link's peak, and PCIe (read + write). Only
+    evidence: a link the collectives do not use reads ~0 (the sockets pair: 0.0001 GB/s
+    against 219 GB/s on the same job over NVLink)."""
+    for c in counters:
+        colls = [x for x in (getattr(c, "collectives", None) or []) if x.get("sampled_us", 0) > 0]
+        if not colls:
+            continue
+        w = np.array([x["sampled_us"] for x in colls], dtype=np.float64)
+
+        def mean(key) -> float | None:
+            v = [x["counters"].get(key) for x in colls]
+            if any(y is None for y in v):
+                return None
+            return float(np.dot(np.array(v, dtype=np.float64), w) / w.sum())
+
+        tx, rx = mean("pm_nvlink_tx_Bps"), mean("pm_nvlink_rx_Bps")
+        if tx is None and rx is None:
+            continue
+        nv = max(tx or 0.0, rx or 0.0) / 1e9
+        pcie = ((mean("pm_pcie_read_Bps") or 0.0) + (mean("pm_pcie_write_Bps") or 0.0)) / 1e9
+        peak = getattr(c, "nvlink_peak_gbps", None)
+        return {"nvlink_gbps": nv, "nvlink_pct_of_peak": 100.0 * nv / peak if peak else None, "pcie_gbps": pcie,
+                "sampled_us": float(w.sum())}
+    return None
+
+
 def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | None = None) -> list[Cause]:
     """One cause for the job when its large collectives crawl on GPUs that NVLink connects.
     ``n_ranks``: the job's ranks when ``facts`` holds only some of them (a scaled-out analysis
@@ -105,6 +134,7 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
     top = int(np.argmax(np.where(large, nbytes, 0)))
     typical = float(np.median(busbw[large]))
     kind = types[top] or "collective"
+    link = link_counters([f.counters for f in facts])
     claims = [Claim(EXPOSED_COMM, f.rank, float(sum(b.communication_us for b in f.breakdown))) for f in facts]
     claims += [Claim(WAITING_RANK, f.rank, 0.0) for f in facts]
     c = Cause(
@@ -115,7 +145,9 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
         mechanism=(f"Collectives of {nbytes[top] / 1e6:.0f} MB take {ms(float(t_ns[top]))} once every rank has arrived; "
                    f"at NVLink speed they take ~{ms(float(fixed[top]))}. A bus bandwidth under "
                    f"{SLOW_BUSBW_MAX_GBPS:.0f} GB/s means NCCL went through host memory (SHM) or sockets instead of "
-                   f"GPU-to-GPU."),
+                   f"GPU-to-GPU." + (f" The GPU's own counters agree: during them NVLink carried "
+                                     f"{link['nvlink_gbps']:.2f} GB/s ({link['nvlink_pct_of_peak']:.2g} % of its peak) "
+                                     f"and PCIe {link['pcie_gbps']:.1f} GB/s." if link else "")),
         remedy=("Let NCCL use NVLink peer-to-peer: run once with NCCL_DEBUG=INFO and look for 'via P2P/IPC' (good) "
                 "against 'via SHM' or 'NET/Socket'; unset NCCL_P2P_DISABLE, NCCL_P2P_LEVEL, NCCL_SHM_DISABLE and "
                 "NCCL_NET/NCCL_SOCKET_IFNAME overrides; in containers give the ranks a shared IPC namespace "
@@ -125,7 +157,8 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
         evidence={"busbw_gbps_median": typical, "busbw_gbps_best": best, "nvlink_busbw_gbps": peak,
                   "large_collectives": int(large.sum()), "ranks": n_ranks, "device": dev.name,
                   "transfer_us_per_step": float(t_ns.sum()) / per / 1e3,
-                  "fixed_transfer_us_per_step": float(np.minimum(t_ns, np.where(known, fixed, t_ns)).sum()) / per / 1e3},
+                  "fixed_transfer_us_per_step": float(np.minimum(t_ns, np.where(known, fixed, t_ns)).sum()) / per / 1e3,
+                  **({"counters": link} if link else {})},
         edit=edits[f0.rank], claims=claims)
     others = {r: e for r, e in edits.items() if r != f0.rank}
     pricer.price(f0, c, None, others)
