@@ -237,3 +237,30 @@ def test_no_permission_names_the_capability(tmp_path):
         assert "no permission" in res.stdout and "CAP_SYS_PTRACE" in res.stdout and "uid 0" in res.stdout
     finally:
         stop(target)
+
+
+def test_injection_goes_to_a_thread_waiting_in_a_system_call():
+    """pyinjector's dlopen runs on the thread it stops: a thread blocked in a sleep holds no libc
+    lock, the busy main thread may (inject.injection_thread). A real process of each kind."""
+    import subprocess
+    import sys
+
+    from aiprof.attach.inject import injection_thread
+
+    busy = "import sys\nprint('ready', flush=True)\nwhile True: pass\n"
+    sleeper = ("import threading, time, sys\nthreading.Thread(target=time.sleep, args=(120,), daemon=True).start()\n"
+               "time.sleep(0.2)\nprint('ready', flush=True)\nwhile True: pass\n")
+    for code, want_other in ((busy, False), (sleeper, True)):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            tid = injection_thread(p.pid)
+            if want_other:
+                assert tid != p.pid
+                with open(f"/proc/{p.pid}/task/{tid}/syscall") as f:
+                    assert f.read().split()[0] not in ("running", "-1")
+            else:
+                assert tid == p.pid
+        finally:
+            p.kill()
+            p.wait(10)

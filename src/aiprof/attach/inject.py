@@ -183,14 +183,49 @@ def wait_until_not_importing(pid: int, timeout: float = 30.0) -> bool:
 
 
 INJECT_TIMEOUT_S = 30.0
+# System call classes (native.syscalls) in which a thread waits idle, holding no libc lock: the
+# injected dlopen can run on such a thread. Best first.
+_IDLE_CLASSES = ("poll", "sleep", "lock")
+
+
+def injection_thread(pid: int) -> int:
+    """The thread of ``pid`` that pyinjector should run the injected ``dlopen`` on.
+
+    pyinjector stops a thread with ptrace and runs ``dlopen`` on it. Stopped while it held a libc
+    lock (malloc's, the loader's), that thread waits for its own lock forever, and the job with
+    it: a job deadlocked so about once in 6 attaches (stop 21's note), and an attach test failed
+    so in CI. A thread blocked in a waiting system call (poll, sleep, a futex: the idle pool
+    threads, the threads waiting for the GIL) holds none; the main thread (``pid``) when the
+    target has no such thread."""
+    from aiprof.native.syscalls import parse_syscall_line, syscall_class, syscall_name
+
+    best: tuple[int, int] | None = None
+    try:
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except (OSError, ValueError):
+        return pid
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+                got = parse_syscall_line(f.read())
+        except OSError:
+            continue
+        if got is None:
+            continue
+        cls = syscall_class(syscall_name(got[0]))
+        if cls in _IDLE_CLASSES:
+            rank = _IDLE_CLASSES.index(cls)
+            if best is None or rank < best[0]:
+                best = (rank, tid)
+    return best[1] if best else pid
 
 
 def _inject_pyinjector(info: ProcessInfo, so: str) -> None:
     # in a child process, so that a stuck injection cannot hang the CLI
     code = "import sys, pyinjector; pyinjector.inject(int(sys.argv[1]), sys.argv[2])"
     try:
-        r = subprocess.run([sys.executable, "-c", code, str(info.pid), so], capture_output=True, text=True,
-                           timeout=INJECT_TIMEOUT_S)
+        r = subprocess.run([sys.executable, "-c", code, str(injection_thread(info.pid)), so], capture_output=True,
+                           text=True, timeout=INJECT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         raise AttachError(f"{info.label}: library injection did not finish within {INJECT_TIMEOUT_S:.0f} s "
                           "(the target may be stuck in the dynamic loader)") from None
