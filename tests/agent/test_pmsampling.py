@@ -126,3 +126,51 @@ def test_cli_bad_pm_interval_is_one_line_error():
                         sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "hw-pm-interval-us" in r.stderr and "Traceback" not in r.stderr
+
+
+class _RecordingNvml:
+    """NVML as ``_Gpu`` uses it, on a machine without a GPU: every call is recorded (a GPM-capable
+    GPU with NVLink field values), so the test sees what one reading asks the driver for."""
+
+    NVML_CLOCK_SM = 1
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX = 138
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 139
+    NVML_GPM_METRIC_SM_UTIL = 2
+    NVML_GPM_METRICS_GET_VERSION = 1
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str):
+        if not name.startswith("nvml"):
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append(name)
+            if name == "nvmlGpmQueryDeviceSupport":
+                return type("S", (), {"isSupportedDevice": True})()
+            if name == "nvmlDeviceGetFieldValues":
+                v = type("V", (), {"nvmlReturn": 0, "value": type("U", (), {"ullVal": 1})()})
+                return [v(), v()]
+            if name in ("nvmlDeviceGetClockInfo", "nvmlDeviceGetPowerUsage"):
+                return 1000
+            return type("R", (), {"gpu": 1, "memory": 1, "used": 1})()
+        return call
+
+
+def test_gpm_and_nvlink_reads_pause_while_pm_samples():
+    # PM sampling measures SM, tensor, DRAM, NVLink and PCIe every 100 µs: the 100 ms GPM and
+    # NVLink field reads (2-2.5 ms of driver time each on an H200) are not taken twice
+    from aiprof.agent.hwmon import _Gpu
+
+    nvml = _RecordingNvml()
+    gpu = _Gpu(nvml, object(), "gpu0")
+    assert gpu.gpm_ids, "the recording NVML offers GPM"
+    gpu.gpm_prev_t = 0.0  # the GPM window is long enough
+    nvml.calls.clear()
+    gpu.sample([], 0, pm_running=True)
+    assert "nvmlGpmSampleGet" not in nvml.calls and "nvmlDeviceGetFieldValues" not in nvml.calls
+    assert "nvmlDeviceGetUtilizationRates" in nvml.calls and "nvmlDeviceGetPowerUsage" in nvml.calls
+    nvml.calls.clear()
+    gpu.sample([], 0, pm_running=False)
+    assert "nvmlGpmSampleGet" in nvml.calls and "nvmlDeviceGetFieldValues" in nvml.calls

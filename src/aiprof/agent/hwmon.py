@@ -78,7 +78,11 @@ class _Gpu:
             self.broken.add(name)  # not supported on this GPU/driver: stop asking
             return None
 
-    def sample(self, out: list[Sample], t_ns: int) -> None:
+    def sample(self, out: list[Sample], t_ns: int, pm_running: bool = False) -> None:
+        """One reading of every NVML source. ``pm_running``: CUPTI PM sampling measures this
+        GPU's SM, tensor, DRAM, NVLink and PCIe activity every 100 µs, so the GPM and NVLink
+        field reads, which measure the same at 100 ms and take 2-2.5 ms of driver time each
+        (bench/hw_sources_cost.py on an H200), are left out."""
         N, h, d = self.N, self.h, self.label
         u = self._try("util", lambda: N.nvmlDeviceGetUtilizationRates(h))
         if u is not None:
@@ -93,6 +97,8 @@ class _Gpu:
         m = self._try("mem", lambda: N.nvmlDeviceGetMemoryInfo(h))
         if m is not None:
             out.append((t_ns, d, "mem_used_bytes", float(m.used)))
+        if pm_running:
+            return
         self._nvlink(out, t_ns)
         if self.gpm_ids:
             self._gpm(out, t_ns)
@@ -403,8 +409,9 @@ class HwSampler:
             except Exception as exc:
                 log.error("host sampling", exc)
                 self._psutil = None
+        pm_running = self.pm is not None
         for g in self._gpus:
-            g.sample(out, t_ns)
+            g.sample(out, t_ns, pm_running)
         now = time.perf_counter()
         for label, cdir in self._ib:
             tx = _read_int(os.path.join(cdir, "port_xmit_data"))
