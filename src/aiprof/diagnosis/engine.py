@@ -211,6 +211,8 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
         cs, ss = diagnose_rank(f, pricer)
         causes += cs
         symptoms += ss
+        if not coupled:  # no transfer times: the GPU counters can still show an unused link
+            causes += slow_interconnect.detect_rank(f, pricer)
     if coupled:
         causes += grad_accum.detect_job(facts, pricer)
         causes += slow_interconnect.detect_job(facts, pricer, columns)

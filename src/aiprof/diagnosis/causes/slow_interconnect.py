@@ -16,6 +16,14 @@ a single rank's kernel durations include its waits and prove nothing about the l
 
 Fix priced on every rank at once by the joint replay: every matched collective's transfer at the
 device's NVLink bus bandwidth (``diagnosis/hardware.py``) plus NCCL's intra-node latency.
+
+One rank alone (:func:`detect_rank`, a capture of some ranks only) has no transfer times, but
+its GPU's PM counters say where the bytes went: a link the collectives use carries their bytes
+while they run, so NVLink counting under a tenth of the least rate they needed (the bytes the
+rank sends over the kernels' whole time, waits included) means they went another way. Priced
+on that rank by replay: each communication kernel at most its NVLink transfer time; its waits
+for the other ranks, if they were not slowed alike, stay in the kernel and are priced as saved
+(an upper bound, which the cause says).
 """
 from __future__ import annotations
 
@@ -39,14 +47,30 @@ SLOW_BUSBW_MAX_GBPS = PCIE_GEN5_X16_GBPS / 2
 # fixed collective's transfer.
 NVLINK_LATENCY_NS = 20_000.0
 _NS_PER_S = 1e9
+# A link the collectives use carries all of their bytes while they run; a tenth of the least
+# rate they needed leaves room for samples that straddle a kernel's edges. The sockets pair read
+# 0.0001 GB/s of NVLink against ~4 GB/s needed; over NVLink it read 219 GB/s against ~55 GB/s.
+UNUSED_LINK_FRACTION = 0.1
+# Sample time under the communication kernels needed before the counters decide (20 samples at
+# 100 µs: a link that carries the collectives cannot read ~0 in all of them; the healthy 2-rank
+# capture in tests/data has 4.2 ms).
+MIN_SAMPLED_US = 2_000.0
 
 
 def collective_bytes(f: RankFacts, rc, ix: np.ndarray) -> tuple[np.ndarray, list[str]]:
     """Message bytes and type of the rank's matched collectives ``ix`` (indices into ``rc``), from
     the trace's GPU-side collective rows that start when they do (0 bytes when unknown)."""
+    if rc.side != "gpu":
+        return np.zeros(len(ix)), [""] * len(ix)
+    return bytes_at(f, rc.start[ix])
+
+
+def bytes_at(f: RankFacts, start: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Message bytes and type of the GPU-side collectives that start at ``start`` (trace ns), from
+    the trace's collective rows (0 bytes and "" where none starts there)."""
     c = f.rt.collectives
-    nbytes, types = np.zeros(len(ix)), [""] * len(ix)
-    if not len(c) or rc.side != "gpu":
+    nbytes, types = np.zeros(len(start)), [""] * len(start)
+    if not len(c):
         return nbytes, types
     gpu = c.strings("side").isin_labels(lambda s: s == "gpu")
     t = c.take(gpu)
@@ -56,7 +80,6 @@ def collective_bytes(f: RankFacts, rc, ix: np.ndarray) -> tuple[np.ndarray, list
     esize = np.array([DTYPE_BYTES.get(s, 0) for s in dtype.labels] + [0], dtype=np.float64)[dtype.codes][order]
     nel = np.maximum(t["in_nelems"][order], 0).astype(np.float64)
     names = np.array(coll.labels + [""], dtype=object)[coll.codes][order]
-    start = rc.start[ix]
     pos = np.clip(np.searchsorted(ts, start), 0, max(len(ts) - 1, 0))
     ok = len(ts) > 0
     for k, p in enumerate(pos.tolist()):
@@ -93,6 +116,71 @@ def link_counters(counters: list) -> dict | None:
         return {"nvlink_gbps": nv, "nvlink_pct_of_peak": 100.0 * nv / peak if peak else None, "pcie_gbps": pcie,
                 "sampled_us": float(w.sum())}
     return None
+
+
+REMEDY = ("Let NCCL use NVLink peer-to-peer: run once with NCCL_DEBUG=INFO and look for 'via P2P/IPC' (good) "
+          "against 'via SHM' or 'NET/Socket'; unset NCCL_P2P_DISABLE, NCCL_P2P_LEVEL, NCCL_SHM_DISABLE and "
+          "NCCL_NET/NCCL_SOCKET_IFNAME overrides; in containers give the ranks a shared IPC namespace "
+          "(--ipc=host) and let every rank see its peers' GPUs (CUDA_VISIBLE_DEVICES); `nvidia-smi topo -m` "
+          "should show NV# between them.")
+
+
+def detect_rank(f: RankFacts, pricer) -> list[Cause]:
+    """The cause on one rank analysed alone, from its GPU's counters (module docstring)."""
+    dev = device(f.rt.device_name)
+    n_ranks = f.rt.world_size
+    if dev is None or dev.nvlink_busbw_gbps <= 0 or n_ranks < 2:
+        return []
+    if n_ranks > len(f.rt.meta.get("device_properties") or []):
+        return []  # ranks on several hosts: the network sets the pace, not NVLink
+    link = link_counters([f.counters])
+    if link is None or link["sampled_us"] < MIN_SAMPLED_US:
+        return []
+    g, k = f.graph, f.rt.kernels
+    if not g.n_ops or not len(k) or "cls" not in k:
+        return []
+    cls = k.strings("cls")
+    comm_row = np.array([s == "communication" for s in cls.labels] + [False])[cls.codes]
+    ops = np.nonzero((g.o_table == 0) & comm_row[np.where(g.o_table == 0, g.o_row, -1)] & (g.o_dur > 0))[0]
+    nbytes, types = bytes_at(f, g.o_ts[ops].astype(np.int64))
+    fac = np.array([BUSBW_FACTOR.get(t, lambda n: 1.0)(n_ranks) for t in types])
+    sent = nbytes * fac  # bytes this rank sends per collective (NCCL's bus-bandwidth factor)
+    known = nbytes > 0
+    if not (nbytes >= BANDWIDTH_REGIME_BYTES).any():
+        return []
+    needed_gbps = float(sent[known].sum() / g.o_dur[ops][known].sum())  # bytes/ns == GB/s
+    if link["nvlink_gbps"] >= UNUSED_LINK_FRACTION * needed_gbps:
+        return []
+    peak = dev.nvlink_busbw_gbps
+    fixed = NVLINK_LATENCY_NS + sent / peak
+    e = f.edit(CODE)
+    e.op_dur[ops[known]] = np.minimum(g.o_dur[ops[known]], fixed[known])
+    per = max(len(f.steps), 1)
+    top = int(np.argmax(nbytes))
+    kind = types[top] or "collective"
+    comm_ns = float(g.o_dur[ops].sum())
+    c = Cause(
+        code=CODE, rank=f.rank,
+        title=(f"NVLink carried {link['nvlink_gbps']:.2g} GB/s while {kind} kernels ran ({ms(comm_ns / per)} per step) "
+               f"on this {dev.name}, which NVLink connects to its peers: NCCL is not using NVLink"),
+        mechanism=(f"This rank's collectives send at least {needed_gbps:.1f} GB/s while their kernels run (their bytes over "
+                   f"the kernels' whole time, waits included), yet the GPU's own counters read {link['nvlink_gbps']:.2g} "
+                   f"GB/s of NVLink and {link['pcie_gbps']:.1f} GB/s of PCIe during them: the data went through host "
+                   f"memory (SHM) or sockets, not GPU-to-GPU. At NVLink speed a {nbytes[top] / 1e6:.0f} MB {kind} takes "
+                   f"~{ms(float(fixed[top]))}. Priced on this rank alone: waits for other ranks inside its kernels "
+                   f"count as saved, so this is an upper bound unless every rank was slowed alike."),
+        remedy=REMEDY,
+        place=Place("collective", f"{kind} of {nbytes[top] / 1e6:.0f} MB", "", [], []),
+        evidence={"nvlink_gbps_needed_at_least": needed_gbps, "nvlink_busbw_gbps": peak, "ranks": n_ranks,
+                  "device": dev.name, "communication_us_per_step": comm_ns / per / 1e3,
+                  "fixed_communication_us_per_step": float(np.where(known, np.minimum(g.o_dur[ops], fixed),
+                                                                    g.o_dur[ops]).sum()) / per / 1e3,
+                  "large_collectives": int((nbytes >= BANDWIDTH_REGIME_BYTES).sum()), "counters": link,
+                  "from": "GPU counters (one rank)"},
+        edit=e,
+        claims=[Claim(EXPOSED_COMM, f.rank, float(sum(b.communication_us for b in f.breakdown)))])
+    pricer.price(f, c)
+    return [c]
 
 
 def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | None = None) -> list[Cause]:
@@ -148,11 +236,7 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
                    f"GPU-to-GPU." + (f" The GPU's own counters agree: during them NVLink carried "
                                      f"{link['nvlink_gbps']:.2f} GB/s ({link['nvlink_pct_of_peak']:.2g} % of its peak) "
                                      f"and PCIe {link['pcie_gbps']:.1f} GB/s." if link else "")),
-        remedy=("Let NCCL use NVLink peer-to-peer: run once with NCCL_DEBUG=INFO and look for 'via P2P/IPC' (good) "
-                "against 'via SHM' or 'NET/Socket'; unset NCCL_P2P_DISABLE, NCCL_P2P_LEVEL, NCCL_SHM_DISABLE and "
-                "NCCL_NET/NCCL_SOCKET_IFNAME overrides; in containers give the ranks a shared IPC namespace "
-                "(--ipc=host) and let every rank see its peers' GPUs (CUDA_VISIBLE_DEVICES); `nvidia-smi topo -m` "
-                "should show NV# between them."),
+        remedy=REMEDY,
         place=Place("collective", f"{kind} of {nbytes[top] / 1e6:.0f} MB", "", [], []),
         evidence={"busbw_gbps_median": typical, "busbw_gbps_best": best, "nvlink_busbw_gbps": peak,
                   "large_collectives": int(large.sum()), "ranks": n_ranks, "device": dev.name,
