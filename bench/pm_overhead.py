@@ -48,7 +48,6 @@ CHILD_TIMEOUT_S = 180.0
 
 def _capture(mode: str, args, step, device: str, out: str) -> dict:
     """Time steps inside one agent capture; return the step times kept and what the capture says."""
-    import torch  # noqa: F401  (the agent needs it imported)
     from aiprof.agent.bootstrap import ensure_agent
     from aiprof.agent.config import CaptureRequest
     from overhead import timed

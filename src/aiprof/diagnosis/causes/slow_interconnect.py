@@ -48,8 +48,8 @@ SLOW_BUSBW_MAX_GBPS = PCIE_GEN5_X16_GBPS / 2
 NVLINK_LATENCY_NS = 20_000.0
 _NS_PER_S = 1e9
 # A link the collectives use carries all of their bytes while they run; a tenth of the least
-# rate they needed leaves room for samples that straddle a kernel's edges. The sockets pair read
-# 0.0001 GB/s of NVLink against ~4 GB/s needed; over NVLink it read 219 GB/s against ~55 GB/s.
+# rate they needed leaves room for samples that straddle a kernel's edges. Rank 0 of the sockets
+# pair read 0.00012 GB/s of NVLink against 3.3 GB/s needed; over NVLink, 219 against 54 GB/s.
 UNUSED_LINK_FRACTION = 0.1
 # Sample time under the communication kernels needed before the counters decide (20 samples at
 # 100 µs: a link that carries the collectives cannot read ~0 in all of them; the healthy 2-rank
@@ -125,23 +125,31 @@ REMEDY = ("Let NCCL use NVLink peer-to-peer: run once with NCCL_DEBUG=INFO and l
           "should show NV# between them.")
 
 
+def _nvlink_host(f: RankFacts, n_ranks: int):
+    """The rank's device when NVLink connects it to the job's other ranks (all on its host), else None."""
+    dev = device(f.rt.device_name)
+    if dev is None or dev.nvlink_busbw_gbps <= 0 or n_ranks < 2:
+        return None
+    if n_ranks > len(f.rt.meta.get("device_properties") or []):
+        return None  # ranks on several hosts: the network sets the pace, not NVLink
+    return dev
+
+
 def detect_rank(f: RankFacts, pricer) -> list[Cause]:
     """The cause on one rank analysed alone, from its GPU's counters (module docstring)."""
-    dev = device(f.rt.device_name)
     n_ranks = f.rt.world_size
-    if dev is None or dev.nvlink_busbw_gbps <= 0 or n_ranks < 2:
+    dev = _nvlink_host(f, n_ranks)
+    if dev is None:
         return []
-    if n_ranks > len(f.rt.meta.get("device_properties") or []):
-        return []  # ranks on several hosts: the network sets the pace, not NVLink
     link = link_counters([f.counters])
     if link is None or link["sampled_us"] < MIN_SAMPLED_US:
         return []
     g, k = f.graph, f.rt.kernels
     if not g.n_ops or not len(k) or "cls" not in k:
         return []
-    cls = k.strings("cls")
-    comm_row = np.array([s == "communication" for s in cls.labels] + [False])[cls.codes]
-    ops = np.nonzero((g.o_table == 0) & comm_row[np.where(g.o_table == 0, g.o_row, -1)] & (g.o_dur > 0))[0]
+    comm = k.strings("cls").isin_labels(lambda s: s == "communication")
+    kern = np.nonzero((g.o_table == 0) & (g.o_dur > 0))[0]
+    ops = kern[comm[g.o_row[kern]]]
     nbytes, types = bytes_at(f, g.o_ts[ops].astype(np.int64))
     fac = np.array([BUSBW_FACTOR.get(t, lambda n: 1.0)(n_ranks) for t in types])
     sent = nbytes * fac  # bytes this rank sends per collective (NCCL's bus-bandwidth factor)
@@ -153,8 +161,9 @@ def detect_rank(f: RankFacts, pricer) -> list[Cause]:
         return []
     peak = dev.nvlink_busbw_gbps
     fixed = NVLINK_LATENCY_NS + sent / peak
+    new_dur = np.where(known, np.minimum(g.o_dur[ops], fixed), g.o_dur[ops])
     e = f.edit(CODE)
-    e.op_dur[ops[known]] = np.minimum(g.o_dur[ops[known]], fixed[known])
+    e.op_dur[ops] = new_dur
     per = max(len(f.steps), 1)
     top = int(np.argmax(nbytes))
     kind = types[top] or "collective"
@@ -173,8 +182,7 @@ def detect_rank(f: RankFacts, pricer) -> list[Cause]:
         place=Place("collective", f"{kind} of {nbytes[top] / 1e6:.0f} MB", "", [], []),
         evidence={"nvlink_gbps_needed_at_least": needed_gbps, "nvlink_busbw_gbps": peak, "ranks": n_ranks,
                   "device": dev.name, "communication_us_per_step": comm_ns / per / 1e3,
-                  "fixed_communication_us_per_step": float(np.where(known, np.minimum(g.o_dur[ops], fixed),
-                                                                    g.o_dur[ops]).sum()) / per / 1e3,
+                  "fixed_communication_us_per_step": float(new_dur.sum()) / per / 1e3,
                   "large_collectives": int((nbytes >= BANDWIDTH_REGIME_BYTES).sum()), "counters": link,
                   "from": "GPU counters (one rank)"},
         edit=e,
@@ -188,12 +196,10 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
     ``n_ranks``: the job's ranks when ``facts`` holds only some of them (a scaled-out analysis
     prices on a rank and its partner); ``columns`` needs the first rank's entries only."""
     f0 = facts[0]
-    dev = device(f0.rt.device_name)
     n_ranks = n_ranks or len(facts)
-    if dev is None or dev.nvlink_busbw_gbps <= 0 or n_ranks < 2:
+    dev = _nvlink_host(f0, n_ranks)
+    if dev is None:
         return []
-    if n_ranks > len(f0.rt.meta.get("device_properties") or []):
-        return []  # ranks on several hosts: the network sets the pace, not NVLink
     colls, idx = columns.get("collectives") or {}, columns.get("rank_index") or {}
     rc = colls.get(f0.rank)
     ix_all = idx.get(f0.rank)
