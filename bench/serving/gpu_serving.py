@@ -213,12 +213,12 @@ def run_client(model, reqs: list[dict], cpu: bool, cuda_graph: bool = False, max
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() and not cpu else [])
         orig = mgr._run_generation_loop
 
-        def loop_under_profiler():
+        def loop_under_profiler(*a, **k):  # a private method: any signature passes through
             # the profiler records the host ops of the thread that starts it: start it in the engine's
             try:
                 with profile(activities=acts, record_shapes=True, with_stack=True) as p:
                     ready.set()
-                    orig()
+                    orig(*a, **k)
                 p.export_chrome_trace(profile_to)
             finally:
                 prof_done.set()

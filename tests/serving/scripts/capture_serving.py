@@ -98,9 +98,11 @@ def cb() -> dict:
     orig_loop = ca.ContinuousBatchingManager._run_generation_loop
     seen = {}
 
-    def loop(self):  # the profiler records the host ops of the thread that starts it
+    # A private method: wrapped with *a/**k so that a release changing its signature still runs
+    # (5.24 added use_inference_mode=).
+    def loop(self, *a, **k):  # the profiler records the host ops of the thread that starts it
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as p:
-            orig_loop(self)
+            orig_loop(self, *a, **k)
         save(p)
         seen["engine_steps"] = self.current_batch
 
@@ -143,9 +145,9 @@ def cb_stall() -> dict:
     orig_loop = ca.ContinuousBatchingManager.__dict__["_run_generation_loop"]
     orig_loop = getattr(orig_loop, "_aiprof_orig", orig_loop)
 
-    def loop(self):
+    def loop(self, *a, **k):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as p:
-            orig_loop(self)
+            orig_loop(self, *a, **k)
         save(p)
         seen["engine_steps"] = self.current_batch
 
