@@ -144,3 +144,13 @@ def test_stale_store_with_rank_by_order_is_renumbered(made, tmp_path):
     cap = open_capture([str(a), str(b)])
     assert [(r.rank, Path(r.source).name) for r in cap.ranks] == [(0, "A.json.gz"), (1, "B.json.gz")]
     assert json.loads(meta_path.read_text())["rank"] == 0  # reused as it is (same source): not rewritten
+
+
+@pytest.mark.parametrize("name, want", [
+    ("node1.cluster.local_4242.1795671329230203753.pt.trace.json.gz", ("node1.cluster.local_4242", 1795671329230203753)),
+    ("trainer.17.pt.trace.json", ("trainer", 17)),
+    ("rank0.json.gz", None),
+    ("vm_5648.pt.trace.json", None),
+])
+def test_tensorboard_names_with_dotted_hosts(name, want):
+    assert tensorboard_name(f"/logs/{name}") == want
