@@ -21,7 +21,7 @@ from aiprof.agent import log
 from aiprof.agent.capture import CaptureDriver
 from aiprof.agent.config import CaptureRequest, runtime_dir
 from aiprof.agent.control import ControlServer
-from aiprof.agent.steps import StepTracker
+from aiprof.agent.steps import EntryUnavailable, StepTracker
 
 ENV_VAR = "AIPROF_AGENT"
 _AGENT: "Agent | None" = None
@@ -91,8 +91,26 @@ class Agent:
         if entry == self.entry:
             return
         self.entry = entry
-        if not self.tracker.try_patch_entry(entry):
-            self.patch_pending = True  # the control thread retries in poll()
+        self.patch_pending = True
+        self._patch_entry()
+
+    def _patch_entry(self) -> None:
+        """Try to wrap the entry once; on a target that will never come (renamed, moved, not a
+        function), one note on stderr and the job runs on with the optimizer's steps. Never raises."""
+        entry = self.entry
+        if not entry:
+            self.patch_pending = False
+            return
+        try:
+            if self.tracker.try_patch_entry(entry):
+                self.patch_pending = False
+        except EntryUnavailable as exc:
+            self.patch_pending = False
+            log.warn_once(f"entry:{entry}", f"--entry {entry} not wrapped: {exc}; the job runs unchanged and "
+                                            f"iterations are counted from optimizer.step() instead")
+        except Exception as exc:
+            self.patch_pending = False
+            log.error(f"wrapping --entry {entry}", exc)
 
     def needs_fast_poll(self) -> bool:
         """Whether the control thread should wake often (20/s) rather than once a second.
@@ -113,13 +131,8 @@ class Agent:
         """Periodic work on the control thread: pending entry patch, capture timeouts."""
         if self.disabled:
             return
-        if self.patch_pending and self.entry:
-            try:
-                if self.tracker.try_patch_entry(self.entry):
-                    self.patch_pending = False
-            except Exception as exc:
-                self.patch_pending = False
-                log.error(f"wrapping --entry {self.entry}", exc)
+        if self.patch_pending:
+            self._patch_entry()
         self.driver.poll()
 
     def status(self) -> dict[str, Any]:
@@ -140,6 +153,13 @@ class Agent:
     def _at_exit(self) -> None:
         if os.getpid() != self.pid:
             return
+        if self.patch_pending and self.entry:  # never wrapped: say why, once, as the job ends
+            self._patch_entry()  # its module may have been imported since the last poll: the precise reason
+        if self.patch_pending and self.entry:
+            mod = self.entry.partition(":")[0]
+            why = "the job never imported " + mod if mod not in sys.modules else "its function was never defined"
+            log.warn_once(f"entry:{self.entry}", f"--entry {self.entry} was never wrapped ({why}); "
+                                                 f"iterations were counted from optimizer.step() instead")
         self.driver.at_exit()
         self.control.close()
 

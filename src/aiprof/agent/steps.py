@@ -20,6 +20,20 @@ from typing import Any, Callable, Protocol
 from aiprof.agent import log
 
 
+class EntryUnavailable(Exception):
+    """The ``--entry`` function cannot be wrapped in this process, and never will be."""
+
+
+def _not_yet(mod: Any, missing: str) -> bool:
+    """False (retry later) while ``mod`` is still being imported, its names not all defined yet;
+    once it has finished, the name is not coming: :class:`EntryUnavailable`. A ``__main__``
+    (the job's script, run rather than imported) defines its names as it runs: always retry."""
+    spec = getattr(mod, "__spec__", None)
+    if getattr(mod, "__name__", "") == "__main__" or spec is None or getattr(spec, "_initializing", False):
+        return False
+    raise EntryUnavailable(f"{missing} (not in the installed version?)")
+
+
 class StepListener(Protocol):
     """What the step tracker calls at iteration boundaries (the capture driver)."""
 
@@ -141,7 +155,10 @@ class StepTracker:
         """Wrap ``module:qualname`` if the module is imported and the name defined.
 
         Never imports the module itself (importing user code has side effects); returns False
-        when it is not there yet, so the caller can retry later.
+        when it is not there yet, so the caller can retry later. Raises :class:`EntryUnavailable`
+        when it never will be: the module has finished importing without that name (a private
+        function of transformers or vLLM renamed or moved in the installed version), or the name
+        is no function (wrapping a class would break the job's isinstance checks).
         """
         mod_name, _, qual = entry.partition(":")
         mod = sys.modules.get(mod_name)
@@ -149,14 +166,14 @@ class StepTracker:
             return False
         parts = qual.split(".")
         owner: Any = mod
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             owner = getattr(owner, p, None)
             if owner is None:
-                return False
+                return _not_yet(mod, f"{mod_name} has no {'.'.join(parts[:i + 1])}")
         name = parts[-1]
         raw = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if raw is None:
-            return False
+            return _not_yet(mod, f"{mod_name} has no {qual}")
         if isinstance(raw, (staticmethod, classmethod)):
             inner = raw.__func__
             if getattr(inner, "__aiprof_wrapped__", None) is not None:
@@ -165,8 +182,8 @@ class StepTracker:
         else:
             if getattr(raw, "__aiprof_wrapped__", None) is not None:
                 return True
-            if not callable(raw):
-                raise TypeError(f"{entry} is not callable")
+            if isinstance(raw, type) or not callable(raw):
+                raise EntryUnavailable(f"{qual} is a {type(raw).__name__}, not a function")
             new = self.wrap(raw)
         setattr(owner, name, new)
         self._patched.append((owner, name, raw))

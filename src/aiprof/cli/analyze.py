@@ -10,6 +10,7 @@ import sys
 import time
 
 from aiprof.analysis.report import build_report
+from aiprof.cli.inputs import add_capture_option
 from aiprof.report import json_report, text
 from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture
@@ -28,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                   "(when the trace has no ProfilerStep)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list (default 15)")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    add_capture_option(p)
     p.add_argument("--engine", choices=engines.ENGINES, default="auto",
                    help=f"where the ranks are analysed: local (this process), ray (rank by rank on Ray), "
                         f"auto (Ray from {engines.RAY_MIN_RANKS} ranks or with --cluster; default)")
@@ -101,7 +103,7 @@ def _both(*fns):
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    files = find_trace_files(args.paths)
+    files = find_trace_files(args.paths, args.capture)
     kind = engines.choose(args.engine, len(files), args.cluster)
     pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
     eng = None

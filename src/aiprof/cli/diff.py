@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from aiprof.analysis.diff import diff_captures, diff_steps
+from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import UsageError
 from aiprof.report import json_report, text
 from aiprof.trace.store import open_capture
@@ -26,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=20, help="how many items to list (default 20)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    add_capture_option(p)
     p.set_defaults(func=run)
 
 
@@ -42,11 +44,11 @@ def run(args: argparse.Namespace) -> int:
     if len(args.paths) > 2:
         raise UsageError("diff takes one trace (two of its steps) or two traces (A B)")
     if len(args.paths) == 1:
-        rt = _pick(open_capture(args.paths, use_cache=not args.no_cache), args.rank)
+        rt = _pick(open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture), args.rank)
         d = diff_steps(rt, args.base, args.compare, top=args.top)
     else:
-        a = _pick(open_capture([args.paths[0]], use_cache=not args.no_cache), args.rank)
-        b = _pick(open_capture([args.paths[1]], use_cache=not args.no_cache), args.rank)
+        a = _pick(open_capture([args.paths[0]], use_cache=not args.no_cache, capture=args.capture), args.rank)
+        b = _pick(open_capture([args.paths[1]], use_cache=not args.no_cache, capture=args.capture), args.rank)
         d = diff_captures(a, b, args.base, args.compare, top=args.top)
     out = {"schema": "aiprof.diff/1", **asdict(d)}
     if args.json:

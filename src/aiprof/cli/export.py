@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from aiprof.cli.inputs import add_capture_option
 from aiprof.export.files import atomic_open
 
 FORMATS = ("perfetto", "chrome", "speedscope", "folded")
@@ -23,6 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-findings", action="store_true", help="timeline formats: skip the track of causes "
                    "(saves running the analyses)")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    add_capture_option(p)
     p.set_defaults(func=run)
 
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         from aiprof.export import perfetto
 
         perfetto._pb2()
-    cap = open_capture(args.paths, use_cache=not args.no_cache)
+    cap = open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture)
     if args.format == "perfetto":
         st = perfetto.export(cap, args.output, marks=_marks(cap, args), host=not args.no_host)
         print(f"wrote {args.output}: {sum(st.slices.values()):,} slices, {st.counters:,} counter values, "

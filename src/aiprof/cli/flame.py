@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import UsageError
 from aiprof.export.files import atomic_open
 from aiprof.flame import folded, pyspy, speedscope, stacks, svg
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                    "as a CPU flame graph instead of a capture")
     p.add_argument("--title", help="title of the SVG/HTML")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    add_capture_option(p)
     p.set_defaults(func=run)
 
 
@@ -66,7 +68,7 @@ def profiles(args: argparse.Namespace) -> list[Profile]:
         return [native_profile(args.paths, args.rank)]
     from aiprof.trace.store import open_capture
 
-    cap = open_capture(args.paths, use_cache=not args.no_cache)
+    cap = open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture)
     whats = ["gpu", "cpu"] if args.what == "both" else [args.what]
     out = []
     for what in whats:

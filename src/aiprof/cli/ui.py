@@ -7,6 +7,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import AiprofError, UsageError
 
 
@@ -22,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a torch.cuda.memory._snapshot() pickle (.pickle or .pickle.gz) for the Memory page")
     p.add_argument("--open", action="store_true", help="open the UI in the default browser")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    add_capture_option(p)
     p.set_defaults(func=run)
 
 
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_snapshot and not os.path.isfile(args.memory_snapshot):
         raise UsageError(f"--memory-snapshot {args.memory_snapshot}: no such file")
     _check_bind(args.host, args.port)
-    cap = open_capture(args.paths, use_cache=not args.no_cache)
+    cap = open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture)
     data = CaptureData(cap, entry=args.entry, memory_snapshot=args.memory_snapshot)
     if not static_built():
         print("aiprof: warning: the UI's front end is not built (run `make setup`); only /api works", file=sys.stderr)

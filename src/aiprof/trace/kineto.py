@@ -31,7 +31,7 @@ from aiprof.trace.builder import TABLES, Builder
 from aiprof.trace.events import ANY, EVENTS, EventError, validation_error
 from aiprof.trace.table import Table
 
-__all__ = ["CHUNK_BYTES", "DECODE_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_trace"]
+__all__ = ["CHUNK_BYTES", "DECODE_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_header", "read_trace"]
 
 CHUNK_BYTES = 8 << 20
 # JSON decoded and built per batch. Its Python objects (~2x the JSON, more with the args) should
@@ -166,6 +166,33 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
 
 
 _MAX_DEFAULT_WORKERS = 4  # beyond 4, the one reading thread (inflate, cut) is the bottleneck
+
+
+def read_header(path: str, step: int = 64 << 10) -> dict | None:
+    """The top-level keys Kineto writes before ``"traceEvents"`` (``distributedInfo``,
+    ``deviceProperties``, ...), read without the events: {} for a bare event array, None when
+    the head cannot be read as such (ingest names the problem when it reads the whole file)."""
+    try:
+        r = _Reader(path, None)
+    except OSError:
+        return None
+    try:
+        buf = r.read(step)
+        start = _skip_ws(buf, 3 if buf.startswith(b"\xef\xbb\xbf") else 0)
+        if buf[start:start + 1] == b"[":
+            return {}
+        key = buf.find(b'"traceEvents"')
+        while key < 0 and not r.eof and len(buf) < _HEADER_LIMIT:
+            buf += r.read(step)
+            key = buf.find(b'"traceEvents"')
+        if key < 0:
+            return None
+        meta = ANY.decode(buf[:key] + b'"traceEvents": []}')
+    except (TraceError, OSError, msgspec.DecodeError):
+        return None
+    finally:
+        r.close()
+    return meta if isinstance(meta, dict) else None
 
 
 def default_workers() -> int:

@@ -32,12 +32,12 @@ from typing import Callable, Iterable, Optional
 import pyarrow.parquet as pq
 
 from aiprof import npx
-from aiprof.errors import TraceError
+from aiprof.errors import TraceError, UsageError
 from aiprof.trace.builder import empty_table
 from aiprof.trace.clip import capture_end_ns, clip_after
 from aiprof.trace.hwcsv import hw_path_for, pm_path_for, read_hw_csv, read_pm_csv
 from aiprof.trace.nativecsv import native_paths_for, read_native
-from aiprof.trace.kineto import TABLES, read_trace
+from aiprof.trace.kineto import TABLES, read_header, read_trace
 from aiprof.trace.table import Table
 
 STORE_VERSION = 5  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
@@ -46,6 +46,12 @@ _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
 _RANK_IN_NAME = re.compile(r"rank[_\-]?(\d+)", re.IGNORECASE)
+# torch.profiler.tensorboard_trace_handler names each file f"{worker_name}.{time.time_ns()}.pt.trace.json"
+# (+ ".gz"); worker_name defaults to f"{hostname}_{pid}". A hostname may hold dots, so the stamp
+# is the last dotted number before the suffix. Files of one worker are captures of one process.
+_TENSORBOARD_NAME = re.compile(r"^(?P<worker>.+)\.(?P<ns>\d+)\.pt\.trace\.json(?:\.gz)?$")
+# Reading a trace's head for its distributedInfo: in steps of this, up to kineto's header limit.
+_PEEK_BYTES = 64 << 10
 
 
 @dataclass
@@ -117,8 +123,11 @@ class Capture:
         raise KeyError(r)
 
 
-def find_trace_files(paths: Iterable[str]) -> list[str]:
-    """Expand files and directories into the trace files they hold (sorted, deduplicated)."""
+def find_trace_files(paths: Iterable[str], capture: Optional[int] = None) -> list[str]:
+    """Expand files and directories into the trace files they hold (sorted, deduplicated), one
+    capture per rank: of several captures of one worker (torch.profiler's
+    ``tensorboard_trace_handler`` cycles) the newest, or the ``capture``-th (1 = the oldest);
+    see :func:`select_captures`."""
     found: list[str] = []
     for p in paths:
         if os.path.isdir(p):
@@ -143,7 +152,74 @@ def find_trace_files(paths: Iterable[str]) -> list[str]:
         if key not in seen:
             seen.add(key)
             out.append(f)
-    return out
+    return select_captures(out, capture)
+
+
+def tensorboard_name(path: str) -> Optional[tuple[str, int]]:
+    """(worker name, time stamp in ns) of a file named by torch.profiler's
+    ``tensorboard_trace_handler``, None for any other name."""
+    m = _TENSORBOARD_NAME.match(os.path.basename(path))
+    return (m.group("worker"), int(m.group("ns"))) if m else None
+
+
+def _rank_in_path(path: str) -> Optional[int]:
+    m = _RANK_IN_NAME.search(os.path.relpath(path))
+    return int(m.group(1)) if m else None
+
+
+def _own_rank(path: str) -> Optional[int]:
+    """The rank a trace names itself (distributedInfo in its head, else rank<N> in its path)."""
+    head = read_header(path, _PEEK_BYTES) or {}
+    dist = head.get("distributedInfo")
+    rank = dist.get("rank") if isinstance(dist, dict) else None
+    if _is_int(rank, 0, _MAX_RANK):
+        return int(rank)
+    return _rank_in_path(path)
+
+
+def select_captures(files: list[str], capture: Optional[int] = None) -> list[str]:
+    """One capture per rank: files of one ``tensorboard_trace_handler`` worker that name no
+    distinct ranks are successive captures of one process (the profiler's cycles), not ranks.
+    Of each such group the newest is kept (``capture``: the N-th, 1 = the oldest), in the place
+    of the group's first file; one line on stderr says which, and that the others exist. Files
+    of different workers (other pids, hosts) or with their own distinct ranks stay ranks."""
+    groups: dict[tuple[str, Optional[int]], list[tuple[int, str]]] = {}
+    by_worker: dict[str, list[str]] = {}
+    for f in files:
+        tb = tensorboard_name(f)
+        if tb:
+            by_worker.setdefault(tb[0], []).append(f)
+    for worker, fs in by_worker.items():
+        if len(fs) < 2:
+            continue
+        for f in fs:  # only here is a file's head read: one worker's files might still be ranks
+            groups.setdefault((worker, _own_rank(f)), []).append((tensorboard_name(f)[1], f))
+    several = {k: sorted(v) for k, v in groups.items() if len(v) > 1}
+    if capture is not None:
+        if capture < 1:
+            raise UsageError(f"--capture {capture}: captures are numbered from 1 (the oldest)")
+        if not several:
+            raise UsageError(f"--capture {capture}: no worker here has several captures "
+                             "(torch.profiler tensorboard_trace_handler files of one process)")
+        for (worker, _), caps in several.items():
+            if capture > len(caps):
+                raise UsageError(f"--capture {capture}: {worker} has {len(caps)} captures")
+    if not several:
+        return files
+    keep: dict[str, str] = {}  # first file of a group -> the capture kept in its place
+    drop: set[str] = set()
+    picked: list[str] = []
+    for caps in several.values():
+        n = len(caps) if capture is None else capture
+        chosen = caps[n - 1][1]
+        first = min((f for _, f in caps), key=files.index)
+        keep[first] = chosen
+        drop.update(f for _, f in caps)
+        picked.append(f"{os.path.basename(chosen)} ({n} of {len(caps)})")
+    which = "the newest" if capture is None else f"capture {capture}"
+    print(f"aiprof: note: several captures of one process (torch.profiler cycles), analysing {which}: "
+          f"{', '.join(picked)}; --capture N picks another (1 = the oldest)", file=sys.stderr)
+    return [keep[f] if f in keep else f for f in files if f in keep or f not in drop]
 
 
 def _fingerprint(path: str) -> dict:
@@ -256,15 +332,17 @@ def _check_meta(path: str, raw: dict) -> None:
                     raise TraceError(path, f'"deviceProperties[{i}].{k}" is {_short(p[k])}, not an integer')
 
 
-def _trace_meta(path: str, raw: dict, tables: dict[str, Table], index: int) -> dict:
-    """Normalise the trace's top-level keys into aiprof's metadata."""
+def _trace_meta(path: str, raw: dict, tables: dict[str, Table]) -> dict:
+    """Normalise the trace's top-level keys into aiprof's metadata. A trace that names no rank
+    of its own gets ``rank`` None (``rank_from`` "order"): its number is its place among the
+    files opened together (:func:`_with_rank`), which is no property of the file to cache."""
     _check_meta(path, raw)
     dist = raw.get("distributedInfo") or {}
     rank = dist.get("rank")
     rank_from = "distributedInfo"
     if rank is None:
-        m = _RANK_IN_NAME.search(os.path.relpath(path))
-        rank, rank_from = (int(m.group(1)), "file name") if m else (index, "order")
+        rank = _rank_in_path(path)
+        rank_from = "file name" if rank is not None else "order"
     kernels = tables.get("kernels")
     device = None
     if kernels is not None and len(kernels):
@@ -273,7 +351,7 @@ def _trace_meta(path: str, raw: dict, tables: dict[str, Table], index: int) -> d
         device = int(vals[np.argmax(counts)])
     extra = {k: v for k, v in raw.items() if k not in ("deviceProperties", "distributedInfo")}
     return {
-        "rank": int(rank),
+        "rank": None if rank is None else int(rank),
         "rank_from": rank_from,
         "world_size": int(dist.get("world_size") or 1),
         "distributed": dist,
@@ -290,7 +368,8 @@ def _trace_meta(path: str, raw: dict, tables: dict[str, Table], index: int) -> d
 
 def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], None]] = None,
            use_cache: bool = True) -> RankTrace:
-    """Ingest one trace file into its store (or reuse the cache) and return the rank's trace."""
+    """Ingest one trace file into its store (or reuse the cache) and return the rank's trace;
+    ``index``, the file's place among those opened together, numbers a trace without a rank."""
     try:
         fp = _fingerprint(path)
     except FileNotFoundError:
@@ -299,7 +378,7 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
     if use_cache:
         meta = _load_cached(store, fp)
         if meta is not None:
-            return RankTrace(rank=meta["rank"], source=path, meta=meta, store_dir=store)
+            return _with_rank(RankTrace(rank=-1, source=path, meta=meta, store_dir=store), index)
     t0 = time.perf_counter()
     parsed = read_trace(path, progress=progress)
     hw = hw_path_for(path)
@@ -322,7 +401,7 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
     capture = read_capture_meta(path)
     end = capture_end_ns(capture)
     clipped = clip_after(parsed.tables, end) if end is not None else 0
-    meta = _trace_meta(path, parsed.meta, parsed.tables, index)
+    meta = _trace_meta(path, parsed.meta, parsed.tables)
     meta["capture"] = capture
     meta["rows_after_capture_end"] = clipped  # dropped: the job's next step (trace/clip.py)
     meta["source"] = fp
@@ -330,12 +409,22 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
     meta["events"] = parsed.n_events
     meta["ingest_workers"] = parsed.workers
     meta["ingest_s"] = round(time.perf_counter() - t0, 3)
-    rt = RankTrace(rank=meta["rank"], source=path, meta=meta, _tables=dict(parsed.tables))
+    rt = RankTrace(rank=-1, source=path, meta=meta, _tables=dict(parsed.tables))
     try:
         rt.store_dir = _write_store(store, parsed.tables, meta)
     except OSError as exc:  # a read-only cache is no reason to fail the analysis
         print(f"aiprof: warning: could not write the store for {path} ({exc}); continuing without cache",
               file=sys.stderr)
+    return _with_rank(rt, index)
+
+
+def _with_rank(rt: RankTrace, index: int) -> RankTrace:
+    """Number a trace that names no rank by its place among the files opened together (``index``).
+    Stores written by earlier aiprof versions hold such a number, with ``rank_from`` "order", as
+    if it were the trace's own: it is re-derived too. The meta is copied: the store keeps None."""
+    if rt.meta.get("rank") is None or rt.meta.get("rank_from") == "order":
+        rt.meta = {**rt.meta, "rank": index, "rank_from": "order"}
+    rt.rank = int(rt.meta["rank"])
     return rt
 
 
@@ -357,15 +446,17 @@ def _write_store(store: str, tables: dict[str, Table], meta: dict) -> str:
     return store
 
 
-def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progress: Optional[bool] = None) -> Capture:
-    """Open trace files and/or capture directories as one :class:`Capture`.
+def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progress: Optional[bool] = None,
+                 capture: Optional[int] = None) -> Capture:
+    """Open trace files and/or capture directories as one :class:`Capture` (of several captures
+    of one process, the newest or the ``capture``-th: :func:`find_trace_files`).
 
     A progress bar is shown on stderr for large inputs when stderr is a terminal
     (``show_progress`` forces it on or off; so does $AIPROF_PROGRESS=always|never).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [str(paths)]
-    files = find_trace_files(paths)
+    files = find_trace_files(paths, capture)
     total = sum(os.path.getsize(f) for f in files)
     if show_progress is None:
         mode = os.environ.get("AIPROF_PROGRESS", "auto")
