@@ -387,6 +387,17 @@ def choose(engine: str, n_files: int, cluster: str | None = None) -> str:
     return "ray" if cluster or n_files >= RAY_MIN_RANKS else "local"
 
 
+def without_ray(n_files: int, cluster: str | None = None) -> str:
+    """The engine when Ray was chosen but cannot be imported (aiprof without the ``scale``
+    extra): "serial", the same per-rank pipeline in this process (the report Ray would give,
+    rank after rank), with one hint line on stderr; a named cluster is an error."""
+    if cluster:
+        raise AiprofError(f"--cluster {cluster}: Ray is not installed: pip install 'aiprof[scale]'")
+    print(f"aiprof: Ray is not installed: analysing {n_files} ranks in-process "
+          f"(pip install 'aiprof[scale]' for the parallel engine)", file=sys.stderr)
+    return "serial"
+
+
 def make(engine: str, address: str | None = None, cpus: int | None = None) -> SerialEngine | RayEngine:
     """An engine for the per-rank analysis by name: "ray" or "serial"."""
     return RayEngine(address, cpus) if engine == "ray" else SerialEngine()
