@@ -105,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     files = find_trace_files(args.paths, args.capture)
     kind = engines.choose(args.engine, len(files), args.cluster)
+    if kind == "ray" and not engines.ray_available():
+        kind = engines.without_ray(len(files), args.cluster)
     pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
     eng = None
     if kind == "local":
@@ -121,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
         from aiprof.scale.job_report import build_job_report
 
         bar, update = _progress()
-        if pfile:
+        if pfile and kind == "ray":
             pfile("starting ray", 0, 1)
-        with engines.make("ray", args.cluster, args.workers) as eng:
-            if pfile:
+        with engines.make(kind, args.cluster, args.workers) as eng:
+            if pfile and kind == "ray":
                 pfile("starting ray", 1, 1)
             if bar is not None:
                 with bar:

@@ -10,6 +10,7 @@ the caller's ``__main__`` (a script without an ``if __name__ == "__main__":`` gu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -36,6 +37,15 @@ CONNECT_TIMEOUT_S = 5.0
 TASK_CPUS = 1
 # auto: Ray from RAY_MIN_RANKS ranks; local: this process (the joint replay); ray: Ray always.
 ENGINES = ("auto", "local", "ray")
+# Ray's token authentication (Ray >= 2.59): the variables a Ray client reads, and where its token
+# loader (C++ AuthenticationTokenLoader) looks, in this order: $RAY_AUTH_TOKEN, the file
+# $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token. `ray start --head` turns token auth on when a token
+# exists (the embedded Ray's `ray.init()` writes ~/.ray/auth_token), but a client given an
+# explicit address only sends it with RAY_AUTH_MODE=token (ray/_private/worker.py).
+AUTH_MODE_VAR = "RAY_AUTH_MODE"
+AUTH_TOKEN_VAR = "RAY_AUTH_TOKEN"
+AUTH_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
+DEFAULT_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -115,13 +125,109 @@ class SerialEngine:
         self.close()
 
 
+def ray_available() -> bool:
+    """Whether Ray can be imported here (the ``scale`` extra); imports it to find out."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _import_ray():
     try:
         import ray
     except ImportError:
-        raise AiprofError("the Ray engine needs the ray package (pip install 'ray>=2.9'); "
+        raise AiprofError("the Ray engine needs Ray: pip install 'aiprof[scale]'; "
                           "or analyse in this process with --engine local") from None
     return ray
+
+
+def find_auth_token() -> str | None:
+    """Where a Ray client finds its token, as the user would name it ("$RAY_AUTH_TOKEN", a file
+    path), or None. A $RAY_AUTH_TOKEN_PATH that cannot be read is an error, as it is to Ray."""
+    if os.environ.get(AUTH_TOKEN_VAR, "").strip():
+        return f"${AUTH_TOKEN_VAR}"
+    path = os.environ.get(AUTH_TOKEN_PATH_VAR)
+    if path:
+        try:
+            with open(os.path.expanduser(path)) as f:
+                if f.read().strip():
+                    return path
+        except OSError as exc:
+            raise AiprofError(f"${AUTH_TOKEN_PATH_VAR}={path}: {exc.strerror or exc}") from None
+        raise AiprofError(f"${AUTH_TOKEN_PATH_VAR}={path}: the file is empty")
+    default = os.path.expanduser(DEFAULT_TOKEN_FILE)
+    try:
+        with open(default) as f:
+            return DEFAULT_TOKEN_FILE if f.read().strip() else None
+    except OSError:
+        return None
+
+
+def _gcs_address(address: str) -> bool:
+    """A cluster's GCS named as HOST:PORT (not ray://, "auto" or "local", which Ray resolves)."""
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and "://" not in address)
+
+
+def use_token_auth(address: str) -> str | None:
+    """Before connecting to the cluster at ``address``: turn Ray's token authentication on in
+    this process where the user left $RAY_AUTH_MODE unset and a token is found; return where the
+    token comes from, or None when none is sent.
+
+    This is Ray's own rule for `ray start --head` (token auth on when a token exists), so a head
+    started on this machine or with the same home is reached; a client with a token also reaches
+    a head without authentication (it ignores the token), so nothing is lost where it has none."""
+    mode = os.environ.get(AUTH_MODE_VAR, "").lower()
+    if mode and mode != "token":
+        return None  # the user said so (e.g. "disabled")
+    source = find_auth_token()
+    if mode == "token":
+        if source is None:
+            raise AiprofError(f"{AUTH_MODE_VAR}=token but no Ray token was found: set ${AUTH_TOKEN_VAR} or "
+                              f"${AUTH_TOKEN_PATH_VAR} to the cluster's token (the head's {DEFAULT_TOKEN_FILE})")
+        return source
+    if source is None or not _gcs_address(address):
+        return None
+    # what `ray.init()` does for a local Ray (authentication_token_setup._enable_token_auth): the
+    # mode is read from the environment, and Ray caches its config at import: refresh it
+    os.environ[AUTH_MODE_VAR] = "token"
+    try:
+        from ray._raylet import Config
+
+        Config.initialize("")
+    except (ImportError, AttributeError):  # a Ray without token auth: nothing to refresh
+        pass
+    return source
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str) -> Iterator[None]:
+    """This process's stderr (fd 2, where Ray's C++ client logs) into ``path`` meanwhile: a
+    head that refuses the client gets a warning a second for ~20 s before ray.init() gives up,
+    and the one line aiprof prints says why."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _refused(address: str, token: str | None) -> str:
+    """Why a cluster that accepts connections refused this client, as one line."""
+    if token:
+        return (f"the Ray cluster at {address} refused this client with the token from {token}: "
+                f"set ${AUTH_TOKEN_VAR} or ${AUTH_TOKEN_PATH_VAR} to the cluster's token (the head's "
+                f"{DEFAULT_TOKEN_FILE}), or check that {address} is the head's GCS port")
+    return (f"the Ray cluster at {address} refused this client: it may use token authentication "
+            f"(Ray >= 2.59 when a token exists): set ${AUTH_TOKEN_VAR} or ${AUTH_TOKEN_PATH_VAR} to its token "
+            f"(the head's {DEFAULT_TOKEN_FILE}), or check that {address} is the head's GCS port")
 
 
 def _aiprof_path() -> str:
@@ -149,18 +255,24 @@ class RayEngine:
         path = os.pathsep.join(p for p in (_aiprof_path(), os.environ.get("PYTHONPATH", "")) if p)
         env = {"env_vars": {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}}
         quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
+        token = None
         if address:
             _reachable(address)
+            token = use_token_auth(address)
         try:
             if address:
                 # a cluster: its nodes have aiprof installed (docs/scale.md); our path is ours only
-                ray.init(address=address, **quiet)
+                with _stderr_to(os.devnull):
+                    ray.init(address=address, **quiet)
             else:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env,
                          object_store_memory=OBJECT_STORE_BYTES, **quiet)
-        except (ConnectionError, RuntimeError, ValueError, ImportError) as exc:  # ray:// needs ray[client]
-            where = f"the Ray cluster at {address}" if address else "a local Ray"
-            raise AiprofError(f"cannot start {where}: {str(exc).splitlines()[0] if str(exc) else exc!r}") from None
+        except ConnectionError as exc:
+            if address and _gcs_address(address):  # it accepted a TCP connection (_reachable)
+                raise AiprofError(_refused(address, token)) from None
+            raise AiprofError(_cannot_start(address, exc)) from None
+        except (RuntimeError, ValueError, ImportError, ray.exceptions.RayError) as exc:  # ray:// needs ray[client]
+            raise AiprofError(_cannot_start(address, exc)) from None
         self.owned = True
         if address:
             self._check_version()
@@ -234,6 +346,11 @@ class RayEngine:
         self.close()
 
 
+def _cannot_start(address: str | None, exc: Exception) -> str:
+    where = f"the Ray cluster at {address}" if address else "a local Ray"
+    return f"cannot start {where}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+
+
 def _reachable(address: str) -> None:
     """A one-line error at once when a cluster address (``ray://HOST:PORT`` or ``HOST:PORT``) does
     not accept a connection; other forms ("auto", "local") are left to Ray."""
@@ -268,6 +385,17 @@ def choose(engine: str, n_files: int, cluster: str | None = None) -> str:
     if engine != "auto":
         return engine
     return "ray" if cluster or n_files >= RAY_MIN_RANKS else "local"
+
+
+def without_ray(n_files: int, cluster: str | None = None) -> str:
+    """The engine when Ray was chosen but cannot be imported (aiprof without the ``scale``
+    extra): "serial", the same per-rank pipeline in this process (the report Ray would give,
+    rank after rank), with one hint line on stderr; a named cluster is an error."""
+    if cluster:
+        raise AiprofError(f"--cluster {cluster}: Ray is not installed: pip install 'aiprof[scale]'")
+    print(f"aiprof: Ray is not installed: analysing {n_files} ranks in-process "
+          f"(pip install 'aiprof[scale]' for the parallel engine)", file=sys.stderr)
+    return "serial"
 
 
 def make(engine: str, address: str | None = None, cpus: int | None = None) -> SerialEngine | RayEngine:
