@@ -18,9 +18,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# setuptools>=77: tests/packaging builds a wheel with this venv's own (no build isolation)
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test,agent,ui]"
+	$(BIN)/python -m pip install -q "setuptools>=77"
 	touch $@
 
 $(STATIC): $(WEB_SRC)
