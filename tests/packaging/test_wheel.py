@@ -1,7 +1,8 @@
 """A wheel that works alone (issue 26). Built from a clean clone's files (`git ls-files`: no built
-front end, no node_modules) and installed with its `ui` extra into a fresh venv, with nothing of
-this checkout on its path, it writes the HTML report and serves the web UI with its front end. No
-Ray is installed there: the proof that a base install analyses a capture without the `scale` extra.
+front end, no node_modules) and installed into a fresh venv, with nothing of this checkout on its
+path: alone it analyses a capture (no Ray there: the `scale` extra is not needed) and asks for the
+`ui` extra for --html in one line; with `ui` added it writes the HTML report and serves the web UI
+with its front end.
 
 One build and one venv for the session (npm ci + vite + pip: about a minute on 2 cores).
 """
@@ -116,16 +117,33 @@ def wheel(clean_clone, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def venv(wheel, tmp_path_factory) -> Path:
-    """A fresh venv with the wheel and its `ui` extra; returns its bin/ folder."""
+def base_runs(wheel, tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """A fresh venv with the wheel alone (no extras), and `aiprof analyze` run there with and without
+    --html (recorded here, before the `venv` fixture adds the `ui` extra to the same venv)."""
     root = tmp_path_factory.mktemp("venv")
     _run([sys.executable, "-m", "venv", root], INSTALL_TIMEOUT_S)
-    bin_dir = root / "bin"
-    cmd = [bin_dir / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q", f"{wheel}[ui]"]
+    _pip_install(root, str(wheel))
+    work = tmp_path_factory.mktemp("base")
+    runs = {name: subprocess.run([str(root / "bin" / "aiprof"), "analyze", str(_trace_copy(work)), *more],
+                                 capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=work, env=_clean_env())
+            for name, more in (("text", []), ("html", ["--html", str(work / "out.html")]))}
+    runs["html_written"] = (work / "out.html").exists()
+    return root / "bin", runs
+
+
+@pytest.fixture(scope="session")
+def venv(base_runs, wheel) -> Path:
+    """The same venv with the wheel's `ui` extra added; returns its bin/ folder."""
+    bin_dir = base_runs[0]
+    _pip_install(bin_dir.parent, f"{wheel}[ui]")
+    return bin_dir
+
+
+def _pip_install(root: Path, spec: str) -> None:
+    cmd = [root / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", "-q", spec]
     if LOCK.is_file():
         cmd += ["-c", constraints_from_lock(LOCK, root / "constraints.txt")]
     _run(cmd, INSTALL_TIMEOUT_S, cwd=root)
-    return bin_dir
 
 
 def _trace_copy(tmp_path: Path) -> Path:
@@ -152,6 +170,15 @@ def test_wheel_has_the_built_ui_and_the_sdist_its_sources(wheel, clean_clone, tm
     assert {"web/package.json", "web/package-lock.json", "web/index.html", "web/vite.config.js",
             "web/src/main.js"} <= set(web) <= listed, sorted(set(web) - listed)
     assert not [n for n in listed if "node_modules" in n or "server/static/" in n]
+
+
+def test_base_install_analyses_without_ray_and_asks_for_ui_for_html(base_runs):
+    """No extras at all: the report is printed; --html says in one line which extra it needs."""
+    _, runs = base_runs
+    text, html = runs["text"], runs["html"]
+    assert text.returncode == 0 and "step" in text.stdout.lower(), text.stderr[-4000:]
+    assert html.returncode == 2 and not runs["html_written"], html.stderr[-4000:]
+    assert html.stderr.strip().count("\n") == 0 and "aiprof[ui]" in html.stderr, html.stderr
 
 
 def test_installs_alone_without_ray(venv):
