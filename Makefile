@@ -26,7 +26,7 @@ EXTRAS := test,agent,ui,scale,export,server
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml $(LOCK)
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(LOCK)
 	$(BIN)/python -m pip install -q --require-hashes --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -q --no-deps "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .

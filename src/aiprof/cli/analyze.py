@@ -11,6 +11,7 @@ import time
 
 from aiprof.analysis.report import build_report
 from aiprof.cli.inputs import add_capture_option
+from aiprof.errors import AiprofError
 from aiprof.report import json_report, text
 from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture
@@ -103,6 +104,11 @@ def _both(*fns):
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    if args.html:  # before any work or output: the page is built by the UI's server code
+        try:
+            from aiprof.server import static_report  # noqa: F401
+        except ModuleNotFoundError as exc:
+            raise AiprofError(f"--html needs the 'ui' extra ({exc.name} is missing): pip install 'aiprof[ui]'") from None
     files = find_trace_files(args.paths, args.capture)
     kind = engines.choose(args.engine, len(files), args.cluster)
     if kind == "ray" and not engines.ray_available():
