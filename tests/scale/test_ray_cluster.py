@@ -1,19 +1,25 @@
 """`aiprof analyze --cluster` on a real Ray head (`ray start --head`, a subprocess), with Ray's
 token authentication on (Ray >= 2.59 turns it on where a token exists) and off.
 
-Each head has its own --temp-dir and $HOME under tmp_path (the token lives in ~/.ray/auth_token,
+Each head has its own --temp-dir and a $HOME under tmp_path (the token lives in ~/.ray/auth_token,
 Ray's default place), GCS port 0 (Ray picks a free one and writes the address into
 <temp-dir>/ray_current_cluster, which is also the readiness signal), one CPU and no dashboard.
+Its --temp-dir is a short folder in the system's temp (Ray's socket paths under it have a length
+limit), removed at the end. Its Ray Client server listens on a free port (ray://127.0.0.1:PORT).
 It is stopped by killing its process group: `ray stop` would stop every Ray on the machine,
 the embedded local Ray of other tests included.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,6 +40,14 @@ HEAD_START_TIMEOUT_S = 120.0
 ANALYZE_TIMEOUT_S = 300.0
 # After SIGKILL the group's processes are gone at once; waiting on `ray start` is bounded anyway.
 KILL_WAIT_S = 30.0
+# `ray start` once more when it exits before the head is up: the Ray Client port, free when picked,
+# may be taken by another process before the head binds it (a tiny race on a shared machine).
+HEAD_STARTS = 2
+# How `ray start --block` names the Ray Client server when it exits ("Some Ray subprocesses exited
+# unexpectedly"): the process that fails to bind a taken port.
+CLIENT_SERVER_PROCESS = "ray_client_server"
+# /proc/net/tcp's state of a listening socket.
+TCP_LISTEN = "0A"
 RAY_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
 
@@ -55,28 +69,79 @@ def _home(root: Path, token: str | None) -> Path:
     return home
 
 
+def _free_port() -> int:
+    """A TCP port free on every interface now (the kernel's pick for port 0). Another process may
+    take it before the head binds it: _start then starts the head once more."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+def _listener_inodes(port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` (IPv4 and IPv6), from /proc/net."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                cols = row.split()
+                if int(cols[1].rpartition(":")[2], 16) == port and cols[3] == TCP_LISTEN:
+                    inodes.add(cols[9])
+    return inodes
+
+
+def _group_listens(pgid: int, port: int) -> bool:
+    """Whether a process of group ``pgid`` (the head's) listens on ``port``: the Ray Client server
+    is up, and the port is its own, not another process's that took it first."""
+    sockets = {f"socket:[{i}]" for i in _listener_inodes(port)}
+    if not sockets:
+        return False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            fd_dir = f"/proc/{pid}/fd"
+            if any(os.readlink(os.path.join(fd_dir, fd)) in sockets for fd in os.listdir(fd_dir)):
+                return True
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return False
+
+
+class HeadExited(AssertionError):
+    """`ray start` ended before the head was up (e.g. its Ray Client port was taken meanwhile)."""
+
+
 class Head:
-    """A `ray start --head --block` in its own process group; ``address`` once it is up."""
+    """A `ray start --head --block` in its own process group, with its Ray Client server on a
+    free port (with ray[client] installed Ray would take 10001: two heads, other engineers'
+    included, would clash there); ``address`` (its GCS) and ``client`` (ray://) once it is up."""
 
     def __init__(self, root: Path, env: dict[str, str]) -> None:
-        self.temp = root / "ray"
+        root.mkdir(parents=True)
+        # Ray's --temp-dir holds its AF_UNIX sockets (at most 107 bytes): a short folder in the
+        # system's temp, not pytest's deep tmp_path
+        self.temp = Path(tempfile.mkdtemp(prefix="aiprof-ray-"))
         self.log = root / "head.log"
+        self.client_port = _free_port()
         ray_cli = Path(sys.executable).with_name("ray")
         cmd = [str(ray_cli) if ray_cli.exists() else "ray", "start", "--head", "--block", "--port", "0",
+               "--ray-client-server-port", str(self.client_port),
                "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats",
                "--object-store-memory", str(engines.OBJECT_STORE_BYTES), "--temp-dir", str(self.temp)]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.address = ""
+        self.client = f"ray://127.0.0.1:{self.client_port}"
 
     def wait_address(self) -> str:
+        """The GCS address, once `ray start` has written it and the head's Ray Client server listens."""
         addr_file = self.temp / "ray_current_cluster"  # written by `ray start` once the head is up
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"ray start exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+                raise HeadExited(f"ray start exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             text = addr_file.read_text().strip() if addr_file.exists() else ""
-            if text.rpartition(":")[2].isdigit():
+            if text.rpartition(":")[2].isdigit() and _group_listens(self.proc.pid, self.client_port):
                 return text
             time.sleep(0.1)  # polling a condition, with a deadline
         raise AssertionError(f"no Ray head after {HEAD_START_TIMEOUT_S} s: {self.log.read_text()[-3000:]}")
@@ -87,15 +152,23 @@ class Head:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=KILL_WAIT_S)
+        shutil.rmtree(self.temp, ignore_errors=True)
 
 
 def _start(root: Path, env: dict[str, str]) -> Iterator[Head]:
-    head = Head(root, env)
-    try:
-        head.address = head.wait_address()
-        yield head
-    finally:  # also when it never came up: its group may hold processes already
-        head.stop()
+    for attempt in range(HEAD_STARTS):
+        head = Head(root / f"start{attempt}", env)
+        try:
+            try:
+                head.address = head.wait_address()
+            except HeadExited as exc:
+                if attempt + 1 < HEAD_STARTS and CLIENT_SERVER_PROCESS in str(exc):
+                    continue  # a port taken between _free_port and the head's bind: once more
+                raise
+            yield head
+            return
+        finally:  # also when it never came up: its group may hold processes already
+            head.stop()
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +245,32 @@ def test_auth_mode_token_without_a_token_is_one_line(auth_head, tmp_path, ddp2_d
     assert p.stderr.strip().splitlines() == [
         "aiprof: error: RAY_AUTH_MODE=token but no Ray token was found: set $RAY_AUTH_TOKEN or "
         "$RAY_AUTH_TOKEN_PATH to the cluster's token (the head's ~/.ray/auth_token)"]
+
+
+def test_ray_client_with_token_auth(auth_head, token_home, ddp2_dir):
+    """--cluster ray://HOST:PORT (Ray Client) with RAY_AUTH_MODE unset: aiprof turns token auth on
+    as for a GCS address, Ray Client sends the token on every gRPC call, the head's client server
+    accepts it, and the report is the in-process one."""
+    p = _analyze(_env(token_home), str(ddp2_dir), "--cluster", auth_head.client, "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = json.loads(p.stdout)
+    assert rep == _in_process(ddp2_dir)
+    assert rep["causes"][0]["code"] == "STRAGGLER" and rep["causes"][0]["rank"] == 1
+
+
+def test_ray_client_without_auth(open_head, token_home, ddp2_dir):
+    """Ray Client to a head without authentication, from a client that has a token (sent, ignored)."""
+    p = _analyze(_env(token_home), str(ddp2_dir), "--cluster", open_head.client, "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout) == _in_process(ddp2_dir)
+
+
+def test_ray_client_without_a_token_is_one_line(auth_head, tmp_path, ddp2_dir):
+    """Ray Client with no token to a head with token auth: every ping is UNAUTHENTICATED, Ray gives
+    up after its retries (~30 s), and aiprof says what to set in one line, exit 2."""
+    p = _analyze(_env(_home(tmp_path, None)), str(ddp2_dir), "--cluster", auth_head.client)
+    assert p.returncode == 2, p.stderr[-3000:]
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith(f"aiprof: error: the Ray cluster at {auth_head.client} refused this client")
+    assert "$RAY_AUTH_TOKEN" in line and "Ray Client port" in line
+    assert p.stdout == ""

@@ -41,11 +41,17 @@ ENGINES = ("auto", "local", "ray")
 # loader (C++ AuthenticationTokenLoader) looks, in this order: $RAY_AUTH_TOKEN, the file
 # $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token. `ray start --head` turns token auth on when a token
 # exists (the embedded Ray's `ray.init()` writes ~/.ray/auth_token), but a client given an
-# explicit address only sends it with RAY_AUTH_MODE=token (ray/_private/worker.py).
+# explicit address only sends it with RAY_AUTH_MODE=token (ray/_private/worker.py). A Ray Client
+# (ray://) is no different: its gRPC channel gets the token interceptor (an "authorization:
+# Bearer <token>" metadata on every call) only when that mode is on (ray/_private/grpc_utils.py
+# init_grpc_channel), and the head's client server checks it on every call
+# (grpc_authentication_server_interceptor).
 AUTH_MODE_VAR = "RAY_AUTH_MODE"
 AUTH_TOKEN_VAR = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")
+# A head's Ray Client server (`ray start --ray-client-server-port`, 10001 by default), as Ray names it.
+RAY_CLIENT_SCHEME = "ray://"
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -171,6 +177,11 @@ def _gcs_address(address: str) -> bool:
     return bool(sep and host and port.isdigit() and "://" not in address)
 
 
+def _client_address(address: str) -> bool:
+    """A head's Ray Client server named as ray://HOST:PORT."""
+    return address.startswith(RAY_CLIENT_SCHEME) and _gcs_address(address[len(RAY_CLIENT_SCHEME):])
+
+
 def use_token_auth(address: str) -> str | None:
     """Before connecting to the cluster at ``address``: turn Ray's token authentication on in
     this process where the user left $RAY_AUTH_MODE unset and a token is found; return where the
@@ -188,7 +199,7 @@ def use_token_auth(address: str) -> str | None:
             raise AiprofError(f"{AUTH_MODE_VAR}=token but no Ray token was found: set ${AUTH_TOKEN_VAR} or "
                               f"${AUTH_TOKEN_PATH_VAR} to the cluster's token (the head's {DEFAULT_TOKEN_FILE})")
         return source
-    if source is None or not _gcs_address(address):
+    if source is None or not (_gcs_address(address) or _client_address(address)):
         return None
     # what `ray.init()` does for a local Ray (authentication_token_setup._enable_token_auth): the
     # mode is read from the environment, and Ray caches its config at import: refresh it
@@ -221,13 +232,15 @@ def _stderr_to(path: str) -> Iterator[None]:
 
 def _refused(address: str, token: str | None) -> str:
     """Why a cluster that accepts connections refused this client, as one line."""
+    port = ("the head's Ray Client port (ray start --ray-client-server-port, 10001 by default)"
+            if _client_address(address) else "the head's GCS port")
     if token:
         return (f"the Ray cluster at {address} refused this client with the token from {token}: "
                 f"set ${AUTH_TOKEN_VAR} or ${AUTH_TOKEN_PATH_VAR} to the cluster's token (the head's "
-                f"{DEFAULT_TOKEN_FILE}), or check that {address} is the head's GCS port")
+                f"{DEFAULT_TOKEN_FILE}), or check that {address} is {port}")
     return (f"the Ray cluster at {address} refused this client: it may use token authentication "
             f"(Ray >= 2.59 when a token exists): set ${AUTH_TOKEN_VAR} or ${AUTH_TOKEN_PATH_VAR} to its token "
-            f"(the head's {DEFAULT_TOKEN_FILE}), or check that {address} is the head's GCS port")
+            f"(the head's {DEFAULT_TOKEN_FILE}), or check that {address} is {port}")
 
 
 def _aiprof_path() -> str:
@@ -268,7 +281,9 @@ class RayEngine:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env,
                          object_store_memory=OBJECT_STORE_BYTES, **quiet)
         except ConnectionError as exc:
-            if address and _gcs_address(address):  # it accepted a TCP connection (_reachable)
+            # it accepted a TCP connection (_reachable); a Ray Client whose every ping is refused
+            # (UNAUTHENTICATED, or not a client server) gives up with "ray client connection timeout"
+            if address and (_gcs_address(address) or _client_address(address)):
                 raise AiprofError(_refused(address, token)) from None
             raise AiprofError(_cannot_start(address, exc)) from None
         except (RuntimeError, ValueError, ImportError, ray.exceptions.RayError) as exc:  # ray:// needs ray[client]
