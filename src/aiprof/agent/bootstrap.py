@@ -255,8 +255,11 @@ def _start_attached_now(cfg: dict[str, Any]) -> None:
                 start_uplink(agent, cfg["server"])
             import torch
 
-            status.update(ok=True, socket=agent.control.path, torch=torch.__version__,
-                          python=sys.version.split()[0], steps=agent.tracker.count)
+            if agent.control.refused:  # the CLI could never reach it: say why instead of timing out
+                status.update(ok=False, error=f"agent started, but {agent.control.refused}")
+            else:
+                status.update(ok=True, socket=agent.control.path, torch=torch.__version__,
+                              python=sys.version.split()[0], steps=agent.tracker.count)
     except Exception as exc:
         status.update(ok=False, error=f"agent start failed: {type(exc).__name__}: {exc}")
     path = cfg.get("status_path")

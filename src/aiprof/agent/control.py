@@ -14,15 +14,18 @@ Protocol, one request per connection::
     -> {"op": "stacks"}
     <- {"pid": .., "rank": .., "threads": [...], "last_collectives": {...}}   (no py-spy needed)
 
-The socket folder is /tmp/aiprof-<uid> (mode 0700) or $AIPROF_RUNTIME_DIR; a socket whose
-process is gone is removed by the next client that finds it.
+The socket folder is /tmp/aiprof-<uid> (mode 0700) or $AIPROF_RUNTIME_DIR, used (by the agent
+and by clients) only when it is a real folder of that user that nobody else can write; a socket
+whose process is gone is removed by the next client that finds it.
 """
 from __future__ import annotations
 
 import glob
 import json
 import os
+import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +33,7 @@ from typing import Any
 
 from aiprof.agent import log
 from aiprof.agent.config import CaptureRequest, runtime_dir
+from aiprof.agent.privdir import UnsafePath, check_private_dir, ensure_private_dir
 
 MAX_LINE = 1 << 20
 IDLE_POLL_S = 1.0
@@ -73,20 +77,30 @@ class ControlServer:
         self.rt = rt or runtime_dir()
         self.path = socket_path(self.rt, os.getpid())
         self.sock: socket.socket | None = None
+        self.refused: str | None = None  # why there is no socket (the runtime folder is not ours alone)
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
     def start(self) -> None:
-        os.makedirs(self.rt, mode=0o700, exist_ok=True)
+        """Listen in the runtime folder once it is checked ours alone; in one another user made
+        (or can write), say so in one line and run without a socket: the job and any capture
+        already requested go on, only ``aiprof trigger`` cannot reach this process."""
         try:
-            os.unlink(self.path)  # a previous process with our pid
-        except FileNotFoundError:
-            pass
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(self.path)
-        os.chmod(self.path, 0o600)
-        s.listen(16)
-        self.sock = s
+            ensure_private_dir(self.rt)
+        except UnsafePath as exc:
+            self.refused = (f"not listening for aiprof trigger: the runtime folder {exc}; "
+                            "remove it or set AIPROF_RUNTIME_DIR to a folder of yours")
+            log.warn_once("runtime-dir", self.refused)
+        if self.refused is None:
+            try:
+                os.unlink(self.path)  # a previous process with our pid
+            except FileNotFoundError:
+                pass
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(self.path)
+            os.chmod(self.path, 0o600)
+            s.listen(16)
+            self.sock = s
         self.thread = threading.Thread(target=self._run, name="aiprof-control", daemon=True)
         self.thread.start()
 
@@ -100,15 +114,18 @@ class ControlServer:
             pass
 
     def _run(self) -> None:
-        assert self.sock is not None
         while not self._stop.is_set():
             try:
-                busy = self.agent.needs_fast_poll()
-                self.sock.settimeout(ARMED_POLL_S if busy else IDLE_POLL_S)
-                try:
-                    conn, _ = self.sock.accept()
-                except socket.timeout:
-                    conn = None
+                wait_s = ARMED_POLL_S if self.agent.needs_fast_poll() else IDLE_POLL_S
+                conn = None
+                if self.sock is None:  # no socket (refused folder): still drive the captures' polling
+                    self._stop.wait(wait_s)
+                else:
+                    self.sock.settimeout(wait_s)
+                    try:
+                        conn, _ = self.sock.accept()
+                    except socket.timeout:
+                        pass
                 self.agent.poll()
                 if conn is not None:
                     self._handle(conn)
@@ -194,6 +211,27 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+_refused_noted: set[str] = set()
+
+
+def foreign_runtime_dir(d: str) -> str | None:
+    """Why the sockets in ``d`` cannot be trusted (None: they can, or ``d`` does not exist).
+
+    ``/tmp/aiprof-<uid>`` must belong to that uid (root lists everyone's); any other folder to
+    us. A folder another user pre-created would hand them our capture requests."""
+    m = re.fullmatch(r"aiprof-(\d+)", os.path.basename(d.rstrip("/"))) if os.path.dirname(d.rstrip("/")) == "/tmp" \
+        else None
+    try:
+        check_private_dir(d, int(m.group(1)) if m else None)
+    except FileNotFoundError:
+        return None
+    except UnsafePath as exc:
+        return str(exc)
+    except OSError:
+        return None  # unreadable (another user's 0700 folder): nothing in it will be found anyway
+    return None
+
+
 def discover(rt_dirs: list[str] | None = None) -> list[Endpoint]:
     """Every agent socket in the runtime folders (default: ours; all users' when root)."""
     if rt_dirs is None:
@@ -202,6 +240,13 @@ def discover(rt_dirs: list[str] | None = None) -> list[Endpoint]:
             rt_dirs += [d for d in glob.glob("/tmp/aiprof-*") if d not in rt_dirs]
     out: list[Endpoint] = []
     for d in rt_dirs:
+        why = foreign_runtime_dir(d)
+        if why:
+            if d not in _refused_noted:  # once per folder: clients call discover() in loops
+                _refused_noted.add(d)
+                print(f"aiprof: ignoring the runtime folder {why}: its sockets could be anyone's (remove it)",
+                      file=sys.stderr)
+            continue
         for p in sorted(glob.glob(os.path.join(d, "agent-*.sock"))):
             try:
                 pid = int(os.path.basename(p)[len("agent-"):-len(".sock")])

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aiprof.agent import cbuild
+from aiprof.agent.privdir import UnsafePath, check_private_file, ensure_private_dir
 from aiprof.attach.launch import package_dir
 from aiprof.attach.procs import AttachError, ProcessInfo, check_ptrace_allowed
 from aiprof.errors import AiprofError
@@ -64,18 +66,6 @@ class InjectResult:
     status: dict[str, Any]
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    d = os.path.join(base, "aiprof")
-    try:
-        os.makedirs(d, exist_ok=True)
-        return d
-    except OSError:
-        d = os.path.join(tempfile.gettempdir(), f"aiprof-cache-{os.getuid()}")
-        os.makedirs(d, exist_ok=True)
-        return d
-
-
 def shim_source() -> str:
     return os.path.join(package_dir(), "attach", "shim.c")
 
@@ -88,9 +78,16 @@ def build_shim() -> str:
     src = shim_source()
     with open(src, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:12]
-    out = os.path.join(_cache_dir(), f"shim-{digest}.so")
-    if os.path.exists(out):
-        return out
+    try:
+        out = os.path.join(cbuild.cache_dir(), f"shim-{digest}.so")
+    except cbuild.BuildError as exc:
+        raise AttachError(str(exc)) from None
+    if os.path.lexists(out):
+        try:
+            check_private_file(out)  # the folder is ours alone; a file in it not ours is rebuilt over
+            return out
+        except UnsafePath:
+            pass
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise AttachError("no C compiler (cc, gcc or clang) to build the injection shim; install one, "
@@ -103,10 +100,30 @@ def build_shim() -> str:
     return out
 
 
+RT_MODE = 0o711  # our runtime folder: a target of another uid may pass through to lib/, never list it
+STAGE_MODE = 0o711  # <rt>/attach: one private folder per attach inside, found by no one else
+SHARED_STAGE_MODE = 0o733  # without root, a target of another uid must create its status file in it
+
+
+def _private_rt(rt: str) -> str:
+    """``rt`` checked as ours alone (a folder another user pre-created is refused), mode 0711."""
+    try:
+        ensure_private_dir(rt)
+        os.chmod(rt, RT_MODE)  # let a target of another uid reach lib/ (sockets stay 0600)
+    except UnsafePath as exc:
+        raise AttachError(f"the runtime folder {exc}; remove it (or set AIPROF_RUNTIME_DIR to a folder "
+                          "of yours)") from None
+    return rt
+
+
 def lib_dir(rt: str) -> str:
     """A folder holding only an ``aiprof`` link to this package (what the target imports)."""
+    _private_rt(rt)
     d = os.path.join(rt, "lib")
-    os.makedirs(d, exist_ok=True)
+    try:
+        ensure_private_dir(d, 0o755)
+    except UnsafePath as exc:
+        raise AttachError(f"{exc}: not ours alone; remove it") from None
     link = os.path.join(d, "aiprof")
     want = package_dir()
     if not (os.path.islink(link) and os.readlink(link) == want):
@@ -117,29 +134,54 @@ def lib_dir(rt: str) -> str:
             pass
         os.symlink(want, tmp)
         os.replace(tmp, link)
-    os.chmod(rt, 0o711)  # let a target of another uid reach lib/ (sockets stay 0600)
     return d
+
+
+def _write_private(path: str, text: str) -> None:
+    """Create ``path`` 0600 from the start (no moment at which another user could open it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _stage(info: ProcessInfo, rt: str, agent_rt: str, entry: str | None,
            server: dict | None = None) -> tuple[str, str, str]:
-    """Write the shim copy, script and status path for one target; returns (so, py, status)."""
-    stage = os.path.join(rt, "attach")
-    os.makedirs(stage, mode=0o711, exist_ok=True)
+    """Write the shim copy, script and status path for one target; returns (so, py, status).
+
+    Each attach gets a fresh private folder (mkdtemp) in ``<rt>/attach``; the script, which
+    holds the server token when there is one, is 0600 and owned by the target's user (handed
+    over with chown when we are root and the target runs as someone else).
+    """
+    lib = lib_dir(rt)
+    stage_root = os.path.join(rt, "attach")
+    try:
+        ensure_private_dir(stage_root)
+        os.chmod(stage_root, STAGE_MODE)  # also tightens the 1777 folder older versions left
+    except UnsafePath as exc:
+        raise AttachError(f"{exc}: not ours alone; remove it") from None
+    stage = tempfile.mkdtemp(prefix=f"{info.pid}-", dir=stage_root)
     stem = os.path.join(stage, f"attach-{info.pid}-{secrets.token_hex(4)}")
     so, py, status = stem + ".so", stem + ".py", stem + ".status.json"
     if any(c in stem for c in "'\\\"\n"):
+        os.rmdir(stage)
         raise AttachError(f"runtime folder path {rt!r} has quotes or backslashes; set AIPROF_RUNTIME_DIR")
-    cfg = {"lib": lib_dir(rt), "status_path": status, "runtime_dir": agent_rt, "entry": entry, "server": server}
-    with open(py, "w") as f:
-        f.write(SCRIPT.format(cfg=json.dumps(cfg)))
-    # the script holds the server token when there is one: readable by the target's user only
-    os.chmod(py, 0o600 if server and info.uid == os.getuid() else 0o644)
+    other_uid = info.uid is not None and info.uid != os.geteuid()
+    if other_uid and os.geteuid() != 0 and server:
+        os.rmdir(stage)
+        raise AttachError(f"{info.label} runs as uid {info.uid}: handing it the server token privately needs root "
+                          "(to chown the staging script); attach as root or as that user")
+    cfg = {"lib": lib, "status_path": status, "runtime_dir": agent_rt, "entry": entry, "server": server}
+    _write_private(py, SCRIPT.format(cfg=json.dumps(cfg)))
     if info.version is None or info.version < (3, 14):
         shutil.copyfile(build_shim(), so)
         os.chmod(so, 0o755)
-    # the agent (maybe another uid) writes the status file: let it create files here
-    os.chmod(stage, 0o1777)
+    if other_uid:  # the target reads the script and writes its status file here
+        if os.geteuid() == 0:
+            os.chown(stage, info.uid, -1)  # type: ignore[arg-type]
+            os.chown(py, info.uid, -1)  # type: ignore[arg-type]
+        else:  # no token in the script (refused above); the folder's name is known to no one else
+            os.chmod(py, 0o644)
+            os.chmod(stage, SHARED_STAGE_MODE)
     return so, py, status
 
 
@@ -349,5 +391,10 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
         for p in ((so, py, status_path) if started else (so,)):
             try:
                 os.unlink(p)
+            except OSError:
+                pass
+        if started:
+            try:
+                os.rmdir(os.path.dirname(py))
             except OSError:
                 pass

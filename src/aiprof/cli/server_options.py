@@ -1,4 +1,4 @@
-"""``--server URL`` / ``--token`` / ``--job`` shared by ``aiprof run``, ``attach`` and ``trigger``."""
+"""``--server URL`` / ``--token`` / ``--token-file`` / ``--job`` shared by ``aiprof run``, ``attach`` and ``trigger``."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,13 @@ def add_server_options(p: argparse.ArgumentParser, job_help: str) -> None:
     g = p.add_argument_group("central service (aiprof server)")
     g.add_argument("--server", default=os.environ.get("AIPROF_SERVER"), metavar="URL",
                    help="the aiprof server, e.g. http://head-node:8643 (default $AIPROF_SERVER)")
-    g.add_argument("--token", default=None, metavar="TOKEN",
-                   help="the server's token (default $AIPROF_TOKEN, the file $AIPROF_TOKEN_FILE, or the local "
-                        "server's DATA/token)")
+    tok = g.add_mutually_exclusive_group()
+    tok.add_argument("--token", default=None, metavar="TOKEN",
+                     help="the server's token; visible to every local user in /proc/PID/cmdline: prefer "
+                          "--token-file or $AIPROF_TOKEN (default $AIPROF_TOKEN, the file $AIPROF_TOKEN_FILE, "
+                          "or the local server's DATA/token)")
+    tok.add_argument("--token-file", default=None, metavar="FILE",
+                     help="read the server's token from FILE (mode 0600: one readable by others is refused)")
     g.add_argument("--job", default=None, metavar="JOB", help=job_help)
 
 
@@ -23,10 +27,10 @@ def server_token(args: argparse.Namespace) -> str:
     """The token for ``--server``; a one-line error when there is none."""
     from aiprof.server.auth import find_token
 
-    tok = find_token(args.token)
+    tok = find_token(args.token, token_file=getattr(args, "token_file", None))
     if not tok:
-        raise UsageError("--server needs the server's token: --token, $AIPROF_TOKEN or $AIPROF_TOKEN_FILE "
-                         "(it is in the server's DATA/token)")
+        raise UsageError("--server needs the server's token: --token-file, $AIPROF_TOKEN, $AIPROF_TOKEN_FILE or "
+                         "--token (it is in the server's DATA/token)")
     return tok
 
 

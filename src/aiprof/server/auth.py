@@ -40,20 +40,49 @@ def load_or_create_token(data_dir: str) -> str:
     return tok
 
 
-def find_token(explicit: str | None = None, data_dir: str | None = None) -> str | None:
-    """The token for a client: ``--token``, ``$AIPROF_TOKEN``, ``$AIPROF_TOKEN_FILE``, or DATA/token."""
+# a token file that group or other can read (or write) is refused, as ssh refuses such a key
+TOKEN_FILE_FOREIGN_BITS = 0o077
+
+
+def read_token_file(path: str, what: str) -> str:
+    """The token in ``path`` (``what`` names where the path came from in errors).
+
+    Raises :class:`~aiprof.errors.UsageError` with one line: unreadable, empty, or readable by
+    other users (the token is the service's only secret)."""
+    from aiprof.errors import UsageError
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise UsageError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if st.st_mode & TOKEN_FILE_FOREIGN_BITS:
+            raise UsageError(f"{what} {path}: mode {st.st_mode & 0o777:04o} lets other users read the token; "
+                             f"chmod 600 {path}")
+        tok = f.read(4096).strip()
+    if not tok:
+        raise UsageError(f"{what} {path}: empty")
+    return tok
+
+
+def find_token(explicit: str | None = None, data_dir: str | None = None, token_file: str | None = None) -> str | None:
+    """The token for a client: ``--token``, ``--token-file``, ``$AIPROF_TOKEN``,
+    ``$AIPROF_TOKEN_FILE``, or DATA/token. A named token file that cannot be used raises
+    :class:`~aiprof.errors.UsageError` (one line)."""
     if explicit:
         return explicit
+    if token_file:
+        return read_token_file(token_file, "--token-file")
     if os.environ.get("AIPROF_TOKEN"):
         return os.environ["AIPROF_TOKEN"]
-    for path in (os.environ.get("AIPROF_TOKEN_FILE"), os.path.join(data_dir or default_data_dir(), TOKEN_FILE)):
-        if path:
-            try:
-                with open(path) as f:
-                    return f.read().strip() or None
-            except OSError:
-                continue
-    return None
+    if os.environ.get("AIPROF_TOKEN_FILE"):
+        return read_token_file(os.environ["AIPROF_TOKEN_FILE"], "$AIPROF_TOKEN_FILE")
+    try:
+        with open(os.path.join(data_dir or default_data_dir(), TOKEN_FILE)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def default_data_dir() -> str:
