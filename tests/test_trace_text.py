@@ -93,3 +93,20 @@ def test_flame_graphs_hold_names_escaped(xss_trace, term_trace, tmp_path):
     assert _aiprof("flame", str(term_trace), "--what", "cpu", "-o", str(svg)).returncode == 0
     labels = [t.text for t in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}text")]
     assert SHOWN["op_mm"] in labels and SHOWN["frame"] in labels and SHOWN["module"] in labels
+
+
+def test_hang_text_shows_control_characters_in_frames_as_escapes():
+    """`aiprof hang`'s text (also what the service sends `aiprof trigger --hang`): frame names come
+    from the job's code. The recorded result of a real 4-rank hang, one frame renamed."""
+    import json
+
+    from aiprof.analysis.hang import format_text
+    from tests.conftest import DATA
+
+    res = json.loads((DATA / "hang_nccl_h200x4.json").read_text())
+    res["groups"][0]["stack"][0] = "load\x1b]0;pwned\x07_batch\x1b[2J (hang_job.py:49)"
+    out = format_text(res)
+    assert r"load\x1b]0;pwned\x07_batch\x1b[2J (hang_job.py:49)" in out
+    assert "\x1b" not in out and "\x07" not in out
+    assert out.count("\n") == len(format_text(json.loads((DATA / "hang_nccl_h200x4.json").read_text()))
+                                  .splitlines())  # its own lines kept

@@ -27,6 +27,11 @@ def visible(s: str) -> str:
     return _UNSAFE.sub(_esc, s)
 
 
+def visible_lines(text: str) -> str:
+    """``text`` with ``visible`` applied to each of its lines (its own line breaks kept)."""
+    return "\n".join(visible(line) for line in text.split("\n"))
+
+
 def safe(obj: Any) -> Any:
     """A copy of a report (dicts, lists, strings, numbers) with ``visible`` applied to every string,
     keys included: the text renderers apply it once on entry so no field can be missed."""
