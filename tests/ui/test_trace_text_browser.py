@@ -6,6 +6,8 @@ kernel, op, Python frame, module, annotation, process, thread and device names a
 graph hovered; no payload may run or become an element, and each must read as the text it is."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from aiprof.trace.store import open_capture
@@ -56,10 +58,13 @@ def _clean(page) -> None:
 
 def _hover_name_cell(page, table: str, name: str) -> str:
     """Hover the name cell of ``name``'s row in a Tabulator table; the tooltip's text."""
-    cell = page.evaluate_handle(
-        """async ([t, n]) => { const tab = window.__aiprof.tables[t];
-             const row = tab.getRows().find((r) => r.getData().name === n);
-             await row.scrollTo(); return row.getCell('name').getElement(); }""", [table, name]).as_element()
+    # the row in view (the tables are virtualised), then its cell found by the text it shows (the
+    # kernels' cleaned name): a locator, re-resolved should Tabulator redraw the rows meanwhile
+    shown = page.evaluate(
+        """async ([t, n]) => { const row = window.__aiprof.tables[t].getRows().find((r) => r.getData().name === n);
+             await row.scrollTo(); return row.getCell('name').getElement().textContent; }""", [table, name])
+    cell = page.locator(f"#t-{table} .tabulator-cell[tabulator-field='name']").filter(
+        has_text=re.compile("^" + re.escape(shown) + "$"))
     # a shown tooltip stays until another cell is hovered (which replaces it) or a click: mark the
     # current one, then wait for the one this hover makes
     page.eval_on_selector_all(".tabulator-tooltip", "ts => ts.forEach((t) => { t.dataset.seen = '1'; })")
