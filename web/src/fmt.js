@@ -22,6 +22,14 @@ export function bytes(v) {
 
 export const short = (s, n = 70) => (s && s.length > n ? s.slice(0, n - 1) + '…' : s || '');
 
+// An element holding s as text: for APIs that set a string as innerHTML (Tabulator's tooltips), so
+// a name from a trace is never parsed as markup.
+export function textEl(s, tag = 'div') {
+  const el = document.createElement(tag);
+  el.textContent = String(s ?? '');
+  return el;
+}
+
 export function h(html) {
   const t = document.createElement('template');
   t.innerHTML = html.trim();

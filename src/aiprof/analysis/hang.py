@@ -33,6 +33,8 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+from aiprof.report.termtext import visible
+
 # torch.distributed functions that block until every rank of the group has joined
 COLLECTIVE_FUNCS = frozenset({
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
@@ -332,4 +334,5 @@ def format_text(res: dict) -> str:
     for f in res.get("findings", []):
         lines.append(f"[{f['severity']}] {f['code']}  {f['title']}")
         lines.append(f"   → {f['suggestion']}")
-    return "\n".join(lines) + "\n"
+    # frame, file and thread names come from the job's code: no control character reaches the terminal
+    return "\n".join(visible(line) for line in lines) + "\n"

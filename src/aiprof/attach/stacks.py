@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from aiprof.errors import AiprofError
+from aiprof.report.termtext import visible
 
 
 def find_py_spy() -> str:
@@ -100,4 +101,5 @@ def format_text(dumps: list[dict[str, Any]]) -> str:
                 where = f"{f['file']}:{f['line']}" if f["line"] else f["file"]
                 lines.append(f"    {f['function']} ({where})" + (" [native]" if f["native"] else ""))
         lines.append("")
-    return "\n".join(lines)
+    # function, file and thread names come from the process: no control character reaches the terminal
+    return "\n".join(visible(line) for line in lines)

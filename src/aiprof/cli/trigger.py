@@ -49,6 +49,7 @@ def print_results(results: dict[int, dict], as_json: bool, req_id: str) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """``--server`` mode: the service drives every rank of a job."""
     from aiprof.analysis.hang import format_text
+    from aiprof.report.termtext import visible_lines
     from aiprof.server.client import ServerClient
     from aiprof.server.remote import capture_job, hang_job, list_jobs, resolve_job
 
@@ -74,7 +75,8 @@ def run_server(args: argparse.Namespace) -> int:
         elif st.get("state") == "failed":
             print(f"hang analysis failed: {st.get('error')}", file=sys.stderr)
         else:
-            sys.stdout.write(res.get("text") or format_text(res))
+            # the text comes from the service: shown, never interpreted by the terminal
+            sys.stdout.write(visible_lines(res.get("text") or format_text(res)))
             if res.get("missing_ranks"):
                 print(f"no stacks from rank(s) {', '.join(map(str, res['missing_ranks']))}")
         return 0 if st.get("state") == "analysed" else 1

@@ -17,6 +17,7 @@ from importlib import resources
 from typing import Sequence
 
 from aiprof.flame.profile import GPU_PREFIX, Profile
+from aiprof.report.termtext import visible
 from aiprof.trace import classify
 
 FRAME_H = 16
@@ -85,6 +86,12 @@ def _tree(p: Profile) -> _Node:
     return root
 
 
+def _esc(s: str) -> str:
+    # frame names come from the trace: markup escaped, and control characters (which XML forbids:
+    # one would make the standalone .svg unreadable) shown as escapes such as \x1b
+    return html.escape(visible(s))
+
+
 def _fmt(v: float, unit: str) -> str:
     if unit != "nanoseconds":
         return f"{int(v):,} samples"
@@ -130,7 +137,7 @@ def render_svg(p: Profile, title: str | None = None, ident: str | None = None, s
     ident = ident or "f" + hashlib.sha1((p.name + str(total)).encode()).hexdigest()[:8]
     diff = p.base is not None
     title = title or p.name
-    esc = html.escape
+    esc = _esc
     sub = f"total {_fmt(root.weight, p.unit)}"
     if diff:
         sub += f" (baseline {_fmt(root.base, p.unit)}; width = new, red grew, blue shrank)"
@@ -185,7 +192,7 @@ def _js() -> str:
 
 def render_html(profiles: Sequence[Profile], title: str = "aiprof flame graph") -> str:
     """One page with a flame graph per profile, a toggle between them and a search box."""
-    esc = html.escape
+    esc = _esc
     svgs, buttons = [], []
     for i, p in enumerate(profiles):
         ident = f"flame{i}"

@@ -8,8 +8,16 @@ from rich.table import Table
 from rich.text import Text
 
 from aiprof.report.serving_text import render_serving
+from aiprof.report.termtext import safe
 
 _MAX_RANK_DETAIL = 8  # beyond this many ranks, steps tables give way to one row per rank
+
+
+def _console(file: IO[str] | None, width: int) -> Console:
+    # markup off: every string printed here holds names from the trace ("gemm[/bold]" would raise,
+    # "[link=…]" would make a link); styles come from Text objects only. Emoji codes (":fire:") off
+    # for the same reason.
+    return Console(file=file, width=width, highlight=False, soft_wrap=False, markup=False, emoji=False)
 
 
 def _ms(us: float) -> str:
@@ -151,7 +159,8 @@ def _steps_of(report: dict, item: dict) -> int:
 
 def render(report: dict, file: IO[str] | None = None, width: int | None = None) -> None:
     """Write the human-readable report to ``file`` (stdout by default)."""
-    console = Console(file=file, width=width or 140, highlight=False, soft_wrap=False)
+    report = safe(report)  # names from the trace: control characters shown as escapes
+    console = _console(file, width or 140)
     cap = report["capture"]
     console.print(Text(f"aiprof report · {len(cap['ranks_found'])} rank(s) of world size {cap['world_size']}",
                        style="bold"))
@@ -350,7 +359,8 @@ def render_diagnosis(console: Console, rank: dict) -> None:
 
 def render_diff(diff: dict, file: IO[str] | None = None, width: int | None = None) -> None:
     """Render a step diff (schema aiprof.diff/1)."""
-    console = Console(file=file, width=width or 160, highlight=False, soft_wrap=False)
+    diff = safe(diff)
+    console = _console(file, width or 160)
     b, c = diff["base"], diff["compare"]
     same = b["source"] == c["source"]
     lab = (lambda d: f"step {d['step']}") if same else (lambda d: f"{d['source']} step {d['step']}")

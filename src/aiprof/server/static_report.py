@@ -18,6 +18,12 @@ def _inline(text: str) -> str:
     return text.replace("</", "<\\/").replace("<!--", "<\\!--")
 
 
+def _json_inline(data: bytes) -> str:
+    # the data holds names from the trace: <, > and & as JSON escapes (the same string to JSON.parse
+    # and to JS), so no name can close the script element or read as markup
+    return data.decode().replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def render(capture: Capture, report: dict | None = None, entry: str | None = None) -> str:
     """The static overview page of a capture, as an HTML string."""
     if not static_built():
@@ -44,7 +50,7 @@ def render(capture: Capture, report: dict | None = None, entry: str | None = Non
         page = f.read()
     # drop the asset links of the served page; inline everything instead
     page = "\n".join(line for line in page.splitlines() if "assets/" not in line)
-    head = (f"<style>{css}</style>\n<script>window.__AIPROF_STATIC__ = {_inline(dumps(payload).decode())};</script>\n")
+    head = (f"<style>{css}</style>\n<script>window.__AIPROF_STATIC__ = {_json_inline(dumps(payload))};</script>\n")
     body = f'<script type="module">{_inline(js)}</script>\n'
     return page.replace("</head>", head + "</head>").replace("</body>", body + "</body>")
 

@@ -473,6 +473,8 @@ def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progre
             TransferSpeedColumn,
         )
 
+        from aiprof.report.termtext import markup_safe
+
         # on stderr: stdout may be the JSON report, piped elsewhere
         with Progress(TextColumn("[bold]ingest[/] {task.description}"), BarColumn(), DownloadColumn(),
                       TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
@@ -480,7 +482,7 @@ def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progre
             task = bar.add_task("", total=total)
             done = 0
             for i, f in enumerate(files):
-                bar.update(task, description=os.path.basename(f))
+                bar.update(task, description=markup_safe(os.path.basename(f)))  # the column parses markup
                 ranks.append(ingest(f, i, lambda n, _t, d=done: bar.update(task, completed=d + n), use_cache))
                 done += os.path.getsize(f)
     else:

@@ -37,7 +37,7 @@ export default async function ranks(root) {
   draw('duration_us');
   root.appendChild(h(`<table class="tbl" id="rank-table"><thead><tr><th>rank</th><th>host</th><th>flags</th><th>steps</th><th>median step</th><th>compute</th><th>exposed comm</th><th>comm total</th><th>GPU busy</th></tr></thead><tbody>
     ${d.ranks.map((r) => `<tr class="${(d.flags[r.rank] || []).includes('straggler') ? 'straggler' : ''}"><td>${r.rank}</td><td>${esc(r.host)}</td>
-      <td>${(d.flags[r.rank] || []).map((f) => `<span class="badge ${f}">${f}</span>`).join(' ')}</td><td>${r.summary.steps ?? 0}</td>
+      <td>${(d.flags[r.rank] || []).map((f) => `<span class="badge ${esc(f)}">${esc(f)}</span>`).join(' ')}</td><td>${r.summary.steps ?? 0}</td>
       <td class="num">${us(r.summary.step_median_us)}</td><td class="num">${us(r.summary.compute_us)}</td><td class="num">${us(r.summary.communication_us)}</td>
       <td class="num">${us(r.summary.communication_total_us)}</td><td class="num">${pct(r.summary.gpu_busy_pct)}</td></tr>`).join('')}</tbody></table>`));
   for (const c of d.causes) root.appendChild(h(`<div class="finding cause sev-${esc(c.severity)}" data-code="${esc(c.code)}"><div class="f-head"><code>${esc(c.code)}</code> ${esc(c.title)} <span class="impact">saves ${us(c.saving.per_step_us)} per step · ${pct(100 * c.saving.share)}</span></div><div class="f-sugg">fix: ${esc(c.remedy)}</div></div>`));

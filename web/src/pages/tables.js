@@ -3,15 +3,16 @@
 import { TabulatorFull as Tabulator } from 'tabulator-tables';
 import 'tabulator-tables/dist/css/tabulator_simple.min.css';
 import { api } from '../api.js';
-import { esc, us, short, h, kernelName } from '../fmt.js';
+import { esc, us, short, h, kernelName, textEl } from '../fmt.js';
 
 const num = (fmt) => ({ hozAlign: 'right', sorter: 'number', formatter: (c) => fmt(c.getValue()) });
 const usCol = (title, field) => ({ title, field, ...num(us), headerFilter: false, width: 105 });
-const nameCol = { title: 'name', field: 'name', headerFilter: 'input', headerFilterPlaceholder: 'filter…', widthGrow: 4, tooltip: true,
-  formatter: (c) => esc(c.getValue()) };
+// Tabulator sets a string tooltip (and `tooltip: true`) as innerHTML: names come from the trace,
+// so the tooltip is an element holding the name as text; formatters return escaped HTML.
+const nameCol = { title: 'name', field: 'name', headerFilter: 'input', headerFilterPlaceholder: 'filter…', widthGrow: 4,
+  tooltip: (e, c) => textEl(c.getValue()), formatter: (c) => esc(c.getValue()) };
 // kernels: the cleaned name in full (wrapped, never cut), the raw name on hover
-const kernelCol = { ...nameCol, cssClass: 'wrap', variableHeight: true, tooltip: (e, c) => c.getValue(),
-  formatter: (c) => esc(kernelName(c.getValue())) };
+const kernelCol = { ...nameCol, cssClass: 'wrap', variableHeight: true, formatter: (c) => esc(kernelName(c.getValue())) };
 
 export default async function tables(root, { rank }) {
   const [py, ops, ks] = await Promise.all([api('host', { rank, kind: 'python' }), api('host', { rank, kind: 'op' }), api('kernels', { rank })]);

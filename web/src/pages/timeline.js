@@ -430,7 +430,7 @@ export default async function timeline(root, { rank, meta, params }) {
   const persist = () => sessionStorage.setItem('aiprof.tl.open', JSON.stringify(Object.fromEntries(open)));
 
   function refLink(label, ref, id, rk) {
-    return ref ? `<div class="ref" id="${id}"><b>${label}</b> <a href="#" data-rank="${rk}" data-src="${ref.source}" data-row="${ref.row}" title="${esc(ref.name)}">${esc(elide(eventName(ref.name, ref.source), 70))}</a> <span class="hint">${ns(ref.end - ref.start)}</span></div>` : '';
+    return ref ? `<div class="ref" id="${id}"><b>${label}</b> <a href="#" data-rank="${rk}" data-src="${esc(ref.source)}" data-row="${ref.row}" title="${esc(ref.name)}">${esc(elide(eventName(ref.name, ref.source), 70))}</a> <span class="hint">${ns(ref.end - ref.start)}</span></div>` : '';
   }
   function renderDetail(d) {
     const el = main.querySelector('#tl-details');
@@ -442,7 +442,7 @@ export default async function timeline(root, { rank, meta, params }) {
       <div class="hint">last to arrive: <b id="tl-coll-last">rank ${c.last_rank}</b>; its lateness alone made the others wait ${us(c.caused_us)}</div>
       <table class="kv"><tr><td>rank</td><td>arrived</td><td>waited for the last</td><td>duration</td></tr>${c.ranks.map((p) => {
         const last = c.ranks.find((q) => q.rank === c.last_rank);
-        return `<tr class="${p.rank === c.last_rank ? 'straggler' : ''}"><td>${p.event ? `<a href="#" data-rank="${p.rank}" data-src="${p.event.source}" data-row="${p.event.row}">rank ${p.rank}</a>` : `rank ${p.rank}`}</td><td>${ns(p.start)}</td><td>${p.rank === c.last_rank ? 'last' : ns(last.start - p.start)}</td><td>${ns(p.end - p.start)}</td></tr>`;
+        return `<tr class="${p.rank === c.last_rank ? 'straggler' : ''}"><td>${p.event ? `<a href="#" data-rank="${p.rank}" data-src="${esc(p.event.source)}" data-row="${p.event.row}">rank ${p.rank}</a>` : `rank ${p.rank}`}</td><td>${ns(p.start)}</td><td>${p.rank === c.last_rank ? 'last' : ns(last.start - p.start)}</td><td>${ns(p.end - p.start)}</td></tr>`;
       }).join('')}</table></details>` : '';
     el.className = '';
     el.innerHTML = `<h4 id="tl-sel-name" title="${esc(full)}">${esc(full)}</h4>
@@ -451,7 +451,7 @@ export default async function timeline(root, { rank, meta, params }) {
       ${refLink('launched by', d.launch, 'tl-launch', rk)}${refLink('launching op', d.op, 'tl-op', rk)}
       ${(d.launched || []).map((k) => refLink('launched', k, 'tl-launched', rk)).join('')}
       ${coll}
-      ${d.stack ? `<details open><summary>host stack (${d.stack.length})</summary><ol class="stack">${d.stack.map((f) => `<li><span class="hint">${f.kind}</span> ${esc(f.name)}</li>`).join('')}</ol></details>` : ''}
+      ${d.stack ? `<details open><summary>host stack (${d.stack.length})</summary><ol class="stack">${d.stack.map((f) => `<li><span class="hint">${esc(f.kind)}</span> ${esc(f.name)}</li>`).join('')}</ol></details>` : ''}
       <details open><summary>fields</summary><table class="kv">${Object.entries(a).map(([k, v]) => `<tr><td>${esc(k)}</td><td>${esc(String(v))}</td></tr>`).join('')}</table></details>`;
     for (const link of el.querySelectorAll('a[data-src]')) link.onclick = (e) => { e.preventDefault(); select(+link.dataset.rank, link.dataset.src, +link.dataset.row).then(fit); };
   }
@@ -567,7 +567,7 @@ export default async function timeline(root, { rank, meta, params }) {
     S.hits = { q, hits, total }; S.hit = -1;
     const box = main.querySelector('#tl-results');
     box.innerHTML = `<details id="tl-hitlist"><summary class="hint" id="tl-hits">${total} match(es)${total > hits.length ? `, first ${hits.length}` : ''} for “${esc(q)}”</summary>
-      <ul class="hits">${hits.map((x, i) => `<li><a href="#" data-i="${i}" title="${esc(x.name)}">${shown.length > 1 ? `r${x.rank} · ` : ''}${ns(x.start)} · ${esc(elide(eventName(x.name, x.source), 60))}</a> <span class="hint">${x.source}</span></li>`).join('')}</ul></details>`;
+      <ul class="hits">${hits.map((x, i) => `<li><a href="#" data-i="${i}" title="${esc(x.name)}">${shown.length > 1 ? `r${x.rank} · ` : ''}${ns(x.start)} · ${esc(elide(eventName(x.name, x.source), 60))}</a> <span class="hint">${esc(x.source)}</span></li>`).join('')}</ul></details>`;
     for (const a of box.querySelectorAll('a[data-i]')) a.onclick = (ev) => { ev.preventDefault(); goHit(+a.dataset.i); };
   }
   async function goHit(i) {
