@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a cluster)")
     p.add_argument("--port", type=int, default=8643, help="port (default 8643; 0 picks a free one)")
     p.add_argument("--max-file-mb", type=int, default=4096, metavar="MB", help="largest uploaded file (default 4096)")
+    from aiprof.trace.limits import add_limit_options
+
+    add_limit_options(p)  # for the analyses of uploads: the `aiprof analyze` children inherit them
     p.add_argument("--heartbeat-s", type=float, default=1.0, metavar="S",
                    help="agents' heartbeat period (default 1 s; stretched automatically above 500 agents)")
     p.add_argument("--public-url", default=None, metavar="URL", help="base URL printed in links (default: as requested)")
