@@ -276,3 +276,16 @@ def test_the_server_answers_while_an_analysis_runs(server, tmp_path):
     print(f"\n{len(during)} answers while analysing, slowest {max(during, default=0) * 1e3:.1f} ms, "
           f"median {sorted(during)[len(during) // 2] * 1e3 if during else 0:.1f} ms; final state {state}")
     assert state == "analysed" and during and max(during) < ANSWER_S
+
+
+def test_a_flood_of_bad_requests_is_a_few_log_lines(server):
+    host, port = _hostport(server.url)
+    for _ in range(200):  # each is "Invalid HTTP request received." in uvicorn's log
+        with socket.create_connection((host, port), timeout=ANSWER_S) as s:
+            s.sendall(b"\x00\x01 not http\r\n\r\n")
+            while s.recv(4096):
+                pass
+    assert _timed_health(server.url) < ANSWER_S
+    log = _log(server)
+    print(f"\n200 bad requests: {log.count('Invalid HTTP request')} log lines, {len(log)} bytes of log")
+    assert 1 <= log.count("Invalid HTTP request") <= 10, log[-2000:]
