@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if hasattr(args, "max_trace_gb"):  # verbs that read traces: their bounds (aiprof.trace.limits)
+            from aiprof.trace.limits import apply_limit_options
+
+            apply_limit_options(args)
         return int(args.func(args) or 0)
     except AiprofError as exc:
         print(f"aiprof: error: {exc}", file=sys.stderr)

@@ -25,8 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for a cluster)")
     p.add_argument("--port", type=int, default=8643, help="port (default 8643; 0 picks a free one)")
     p.add_argument("--max-file-mb", type=int, default=4096, metavar="MB", help="largest uploaded file (default 4096)")
+    from aiprof.trace.limits import add_limit_options
+
+    add_limit_options(p)  # for the analyses of uploads: the `aiprof analyze` children inherit them
     p.add_argument("--heartbeat-s", type=float, default=1.0, metavar="S",
                    help="agents' heartbeat period (default 1 s; stretched automatically above 500 agents)")
+    p.add_argument("--max-agents-per-host", type=int, default=None, metavar="N",
+                   help="live agents one network address may register (default 256)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections at most (default 4096, below the descriptor limit); at the cap the one "
+                        "waiting longest for a request's headers is closed")
     p.add_argument("--public-url", default=None, metavar="URL", help="base URL printed in links (default: as requested)")
     p.add_argument("--cluster", default=None, metavar="ADDRESS",
                    help="analyse captures on this Ray cluster (ray://HOST:PORT; default: on this machine, "
@@ -49,13 +57,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be 0..65535, not {args.port}")
     if args.heartbeat_s <= 0 or args.max_file_mb <= 0:
         raise UsageError("--heartbeat-s and --max-file-mb must be > 0")
+    if args.max_connections is not None and args.max_connections < 16:
+        raise UsageError("--max-connections must be >= 16")
     data = os.path.abspath(args.data or default_data_dir())
     try:
         os.makedirs(data, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise AiprofError(f"--data {data}: {exc.strerror}") from None
     _check_bind(args.host, args.port)
+    from aiprof.server.netguard import MAX_CONNECTIONS, connection_cap, guarded_protocol, warn_if_all_interfaces
+
+    warn_if_all_interfaces(args.host, "agents and browsers of other machines reach it with the token, over "
+                                      "plain HTTP (put TLS in front on an untrusted network)")
     app, svc = create_service(data, args.max_file_mb, args.heartbeat_s, args.public_url, args.cluster)
+    if args.max_agents_per_host is not None:
+        if args.max_agents_per_host <= 0:
+            raise UsageError("--max-agents-per-host must be > 0")
+        svc.ctx.registry.max_per_address = args.max_agents_per_host
 
     def announce(url: str) -> None:
         write_json(os.path.join(data, "server.json"), {"url": url, "pid": os.getpid(), "data": data})
@@ -63,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
               f"a browser logs in once with {url}/?token=<token>)", flush=True)
 
     try:
-        serve_app(app, args.host, args.port, announce, timeout_keep_alive=30, backlog=4096)
+        serve_app(app, args.host, args.port, announce, timeout_keep_alive=30, backlog=4096,
+                  http=guarded_protocol(connection_cap(args.max_connections or MAX_CONNECTIONS)))
     finally:
         try:
             os.unlink(os.path.join(data, "server.json"))

@@ -48,12 +48,17 @@ def serve_app(app: Any, host: str, port: int, on_started: Callable[[str], None],
     """Serve ``app`` with uvicorn until Ctrl-C; ``on_started(url)`` runs once it listens.
 
     ``url`` is ``http://HOST:PORT`` with the port actually bound (``--port 0``) and 127.0.0.1
-    for a wildcard address. One line (AiprofError) when it cannot bind.
+    for a wildcard address. One line (AiprofError) when it cannot bind. Hostile clients are
+    bounded by aiprof.server.netguard.
     """
     import uvicorn
 
+    from aiprof.server.netguard import connection_cap, guarded_protocol, limit_error_logs
+
+    uvicorn_kw.setdefault("http", guarded_protocol(connection_cap()))  # header timeout, connection cap
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            **uvicorn_kw))
+    limit_error_logs()  # after uvicorn has configured its loggers
 
     def announce() -> None:
         while not server.started:
@@ -88,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_snapshot and not os.path.isfile(args.memory_snapshot):
         raise UsageError(f"--memory-snapshot {args.memory_snapshot}: no such file")
     _check_bind(args.host, args.port)
+    from aiprof.server.netguard import HostCheck, allowed_hosts, warn_if_all_interfaces
+
+    warn_if_all_interfaces(args.host, "the UI has no login, so anyone who can reach this port can read the capture")
     cap = open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture)
     data = CaptureData(cap, entry=args.entry, memory_snapshot=args.memory_snapshot)
     if not static_built():
@@ -102,5 +110,6 @@ def run(args: argparse.Namespace) -> int:
 
             webbrowser.open(url + "/")
 
-    serve_app(create_app(data), args.host, args.port, announce)
+    # no login, so only requests addressed to this machine's loopback names (DNS rebinding)
+    serve_app(HostCheck(create_app(data), allowed_hosts(args.host)), args.host, args.port, announce)
     return 0

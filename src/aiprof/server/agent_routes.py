@@ -9,6 +9,7 @@ from starlette.responses import JSONResponse, Response
 from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError, read_json_body
+from aiprof.server.registry import TooManyAgents
 from aiprof.server.store import safe_name, safe_rank
 from aiprof.server.upload_routes import check_rank
 
@@ -25,7 +26,13 @@ class AgentRoutes:
         body = await read_json_body(req)
         aid = safe_name(str(body.get("agent_id", "")), "agent id")
         job = safe_name(str(body.get("job", "")), "job")
-        a = self.registry.register(aid, job, body)
+        peer = req.client.host if req.client else ""
+        try:
+            a = self.registry.register(aid, job, body, peer)
+        except TooManyAgents as exc:
+            raise HTTPError(429, str(exc)) from None
+        except (TypeError, ValueError):
+            raise HTTPError(400, "pid, rank and world_size must be integers") from None
         return JSONResponse({"agent_id": a.agent_id, "job": a.job, "interval_s": self.registry.interval})
 
     async def heartbeat(self, req: Request) -> Response:

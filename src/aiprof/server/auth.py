@@ -129,7 +129,7 @@ class TokenAuth:
             given = (qs.get("token") or [None])[0]
             if self._ok(given):  # log in: set the cookie, drop the token from the address bar
                 rest = urlencode({k: v for k, v in qs.items() if k != "token"}, doseq=True)
-                await _send(send, 303, b"", [(b"location", (path + ("?" + rest if rest else "")).encode()),
+                await _send(send, 303, b"", [(b"location", (local_path(path) + ("?" + rest if rest else "")).encode()),
                                              (b"set-cookie", f"{COOKIE}={self.token.decode()}; HttpOnly; "
                                                              "SameSite=Strict; Path=/".encode())])
                 return
@@ -139,6 +139,14 @@ class TokenAuth:
                 return
         await _send(send, 401, b'{"error": "missing or wrong token (Authorization: Bearer <DATA/token>)"}',
                     [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")])
+
+
+def local_path(path: str) -> str:
+    """``path`` as a redirect target on this server: quoted (no header injection), one leading
+    slash (``//evil.example/`` and ``/\\evil.example`` are other sites to a browser)."""
+    from urllib.parse import quote
+
+    return "/" + quote(path, safe="/%:@!$&'()*+,;=-._~").lstrip("/")
 
 
 def _cookies(raw: str) -> dict[str, str]:

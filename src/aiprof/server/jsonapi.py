@@ -1,16 +1,38 @@
 """JSON over HTTP for the service and the UI app: errors as ``{"error": ...}``, bounded bodies."""
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from aiprof.agent.config import RequestError
 from aiprof.server.store import BadName
 
 MAX_JSON = 1 << 20  # request bodies other than uploads
+# Longest wait for the next piece of a request's body. A client on a working link sends its next
+# 64 KiB (the client's block) in well under a second; one that stalls holds its request (and an
+# upload's per-file lock) this long at most.
+BODY_IDLE_TIMEOUT_S = 15.0
+
+
+class BodyTimeout(Exception):
+    """The client stopped sending its request body for BODY_IDLE_TIMEOUT_S."""
+
+
+async def body_chunks(req: Request, idle_s: float | None = None) -> AsyncIterator[bytes]:
+    """``req.stream()`` with a bound on the wait for each piece (BodyTimeout past it)."""
+    it = req.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(it.__anext__(), idle_s or BODY_IDLE_TIMEOUT_S)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise BodyTimeout() from None
+        yield chunk
 
 
 class HTTPError(Exception):
@@ -23,7 +45,9 @@ class HTTPError(Exception):
 
 def error_response(message: str, status: int, **extra: Any) -> JSONResponse:
     """``{"error": message, ...}`` with ``status``: the one error shape of every JSON route."""
-    return JSONResponse({"error": message, **extra}, status_code=status)
+    # 408: the client stalled mid-request; closing is the only way to end its half-sent body
+    headers = {"connection": "close"} if status == 408 else None
+    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
 
 
 def json_error(exc: Exception) -> JSONResponse:
@@ -53,16 +77,23 @@ def api_not_found(req: Request) -> Response:
 async def read_json_body(req: Request, limit: int = MAX_JSON) -> dict:
     """The request's JSON object, read with a size bound (413 beyond it)."""
     buf = bytearray()
-    async for chunk in req.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise HTTPError(413, f"request body over {limit} bytes")
+    try:
+        async for chunk in body_chunks(req):
+            buf += chunk
+            if len(buf) > limit:
+                raise HTTPError(413, f"request body over {limit} bytes")
+    except BodyTimeout:
+        raise HTTPError(408, f"no request body for {BODY_IDLE_TIMEOUT_S:g} s") from None
+    except ClientDisconnect:  # nobody reads the answer; no traceback in the log either
+        raise HTTPError(400, "client disconnected during the request body") from None
     if not buf:
         return {}
     try:
         obj = json.loads(buf)
     except ValueError:
         raise HTTPError(400, "body is not JSON") from None
+    except RecursionError:  # 1 MiB of "[": the parser recurses once per level
+        raise HTTPError(400, "body nests too deeply to be a request") from None
     if not isinstance(obj, dict):
         raise HTTPError(400, "body must be a JSON object")
     return obj

@@ -30,6 +30,14 @@ ALIVE_FACTOR = 5  # an agent is alive while its last heartbeat is younger than t
 MARGIN_S = 0.75  # slack on top of one heartbeat interval (request latency, GIL, scheduling)
 MAX_START_ITERS = 100_000
 MAX_COMMANDS = 16  # per agent: a stuck agent cannot make the server grow
+# Agents registered from one network address. A node runs one agent per rank (8-16) plus a few
+# helpers; 256 leaves room for big nodes and addresses shared through NAT, and keeps one client
+# from registering thousands (each 500 agents stretch every agent's heartbeat by a second).
+MAX_AGENTS_PER_ADDRESS = 256
+
+
+class TooManyAgents(Exception):
+    """A registration past MAX_AGENTS_PER_ADDRESS live agents of one address."""
 
 
 @dataclass
@@ -43,6 +51,7 @@ class AgentInfo:
     rank: int
     world_size: int
     info: dict[str, Any]
+    peer: str = ""  # the network address it registered from (not what it claims: ``host``)
     registered: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.time)
     steps: int = 0
@@ -69,9 +78,11 @@ class AgentInfo:
 class Registry:
     """Thread-safe registry of agents (the API runs on one event loop; tests poke it directly)."""
 
-    def __init__(self, interval_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, interval_s: float = HEARTBEAT_S, max_per_address: int = MAX_AGENTS_PER_ADDRESS) -> None:
         self.base_interval = interval_s
+        self.max_per_address = max_per_address
         self.agents: dict[str, AgentInfo] = {}
+        self.per_peer: dict[str, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -79,18 +90,37 @@ class Registry:
         """Heartbeat period told to agents: 1 s, stretched for big fleets (~500 heartbeats/s at most)."""
         return max(self.base_interval, len(self.agents) / 500.0)
 
-    def register(self, agent_id: str, job: str, info: dict[str, Any]) -> AgentInfo:
+    def register(self, agent_id: str, job: str, info: dict[str, Any], peer: str = "") -> AgentInfo:
+        """Add or refresh an agent; TooManyAgents when ``peer`` has its limit of live agents."""
         with self._lock:
             old = self.agents.get(agent_id)
-            a = AgentInfo(agent_id=agent_id, job=job, host=str(info.get("host", ""))[:256], pid=int(info.get("pid") or 0),
+            if (old is None or old.peer != peer) and self.per_peer.get(peer, 0) >= self.max_per_address:
+                now = time.time()  # first make room by forgetting the address's dead agents
+                for k in [k for k, x in self.agents.items() if x.peer == peer and not x.alive(now, self.interval)]:
+                    self._forget(k)
+                if self.per_peer.get(peer, 0) >= self.max_per_address:
+                    raise TooManyAgents(f"{self.max_per_address} agents are registered from {peer or 'this address'} "
+                                        "already (aiprof server --max-agents-per-host raises the limit)")
+            a = AgentInfo(agent_id=agent_id, job=job, peer=peer, host=str(info.get("host", ""))[:256], pid=int(info.get("pid") or 0),
                           rank=int(info.get("rank") or 0), world_size=int(info.get("world_size") or 1),
                           info={k: info.get(k) for k in ("origin", "job_source", "local_rank", "cmdline", "python", "torch")})
             if old is not None:
                 a.commands = old.commands  # a re-registration keeps what was queued for it
                 a.registered = old.registered
             self._beat(a, info)
+            if old is not None:
+                self._forget(agent_id)
             self.agents[agent_id] = a
+            self.per_peer[peer] = self.per_peer.get(peer, 0) + 1
             return a
+
+    def _forget(self, agent_id: str) -> None:
+        a = self.agents.pop(agent_id)
+        n = self.per_peer.get(a.peer, 0) - 1
+        if n > 0:
+            self.per_peer[a.peer] = n
+        else:
+            self.per_peer.pop(a.peer, None)
 
     def heartbeat(self, agent_id: str, info: dict[str, Any]) -> tuple[AgentInfo, list[dict]] | None:
         """Record a heartbeat; returns the agent and its pending commands (taken), or None if unknown."""
@@ -140,7 +170,7 @@ class Registry:
         with self._lock:
             dead = [k for k, a in self.agents.items() if now - a.last_seen > older_than_s]
             for k in dead:
-                del self.agents[k]
+                self._forget(k)
         return len(dead)
 
 

@@ -24,13 +24,16 @@ from starlette.responses import JSONResponse, Response
 from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.client import file_sha256
 from aiprof.server.context import ServiceContext
-from aiprof.server.jsonapi import HTTPError
+from aiprof.server.jsonapi import BODY_IDLE_TIMEOUT_S, BodyTimeout, HTTPError, body_chunks
 from aiprof.server.store import MAX_RANK, read_json, safe_name, safe_rank, write_json
 
 MAX_FILES_PER_RANK = 16
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # fsync the part this often: a crash re-sends at most this much, and 200 MB cost ~25 fsyncs
 DURABLE_EVERY = 8 << 20
+# Longest wait for another upload of the same file to finish. Longer than BODY_IDLE_TIMEOUT_S,
+# so a stalled holder is cut off (its bytes kept) before a resuming client gives up.
+LOCK_WAIT_S = 2 * BODY_IDLE_TIMEOUT_S
 
 
 def capture_ranks(st: dict[str, Any]) -> list[int] | range | None:
@@ -140,8 +143,15 @@ class UploadRoutes:
         key = (cid, rank, name)
         lock = self.file_locks.setdefault(key, asyncio.Lock())
         try:
-            async with lock:
+            try:  # the holder is cut off after BODY_IDLE_TIMEOUT_S without data: this wait ends first
+                await asyncio.wait_for(lock.acquire(), LOCK_WAIT_S)
+            except asyncio.TimeoutError:
+                raise HTTPError(409, f"another upload of {name} of rank {rank} is in progress; retry later",
+                                busy=True) from None
+            try:
                 return await self._receive(req, cid, rank, name, offset, size, sha, world)
+            finally:
+                lock.release()
         finally:
             if not lock.locked() and not getattr(lock, "_waiters", None):
                 self.file_locks.pop(key, None)
@@ -172,12 +182,12 @@ class UploadRoutes:
                 raise HTTPError(413, f"rank {rank} already has {len(existing)} files")
         os.makedirs(os.path.dirname(part), exist_ok=True)
         received = offset
-        over = False
+        over = stalled = False
         synced = offset
         f = open(part, "ab")
         try:
             f.truncate(offset)  # bytes past the durable length may not be on disk: never build on them
-            async for chunk in req.stream():
+            async for chunk in body_chunks(req):
                 if received + len(chunk) > size:
                     over = True
                     break
@@ -192,6 +202,8 @@ class UploadRoutes:
                         synced = received
         except ClientDisconnect:  # keep what arrived: the client resumes from it
             pass
+        except BodyTimeout:  # a stalled client: keep what arrived, free the file for a resumed upload
+            stalled = True
         finally:
             try:
                 if not over and received > synced:
@@ -204,6 +216,9 @@ class UploadRoutes:
         if over:
             self._drop_part(part, marker)
             raise HTTPError(413, f"more bytes than the declared size {size}")
+        if stalled:
+            raise HTTPError(408, f"no data for {BODY_IDLE_TIMEOUT_S:g} s; {received} bytes kept, resume from there",
+                            received=received)
         if received < size:
             return JSONResponse({"complete": False, "received": received})
         digest, n = await anyio.to_thread.run_sync(file_sha256, part)

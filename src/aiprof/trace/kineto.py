@@ -27,6 +27,8 @@ from typing import Callable, Optional
 import msgspec
 
 from aiprof.errors import TraceError
+from aiprof.trace import limits
+from aiprof.trace.limits import Limits
 from aiprof.trace.builder import TABLES, Builder
 from aiprof.trace.events import ANY, EVENTS, EventError, validation_error
 from aiprof.trace.table import Table
@@ -54,16 +56,24 @@ class ParsedTrace:
 
 
 class _Reader:
-    """Sequential reader over a plain or gzip file that reports progress in file bytes."""
+    """Sequential reader over a plain or gzip file that reports progress in file bytes.
 
-    def __init__(self, path: str, progress: Optional[Callable[[int, int], None]]) -> None:
+    Inflates at most what was asked for (``max_length``), so a gzip bomb costs one chunk of
+    memory at a time, and stops at the bounds of :mod:`aiprof.trace.limits`.
+    """
+
+    def __init__(self, path: str, progress: Optional[Callable[[int, int], None]],
+                 lim: Optional[Limits] = None) -> None:
         self.path = path
+        self.lim = lim if lim is not None else limits.current()
         self.f = open(path, "rb")
         self.total = os.fstat(self.f.fileno()).st_size
         magic = self.f.read(2)
         self.f.seek(0)
         self.gz = magic == b"\x1f\x8b"
         self.inflate = zlib.decompressobj(wbits=31) if self.gz else None
+        self.pending = b""  # compressed bytes read from the file, not yet inflated
+        self.inflated = 0
         self.progress = progress
         self.eof = False
 
@@ -74,34 +84,50 @@ class _Reader:
             data = self.f.read(n)
             if not data:
                 self.eof = True
+            self.inflated += len(data)
+            if self.inflated > self.lim.max_bytes:
+                raise self.lim.too_big(self.path, inflated=False)
             self._tick()
             return data
         out = []
         size = 0
         while size < n:
-            raw = self.f.read(1 << 20)
-            if not raw:
-                if not self.inflate.eof:
-                    raise TraceError(self.path, "truncated gzip stream (the compressed file ends early)")
-                self.eof = True
-                break
+            if not self.pending:
+                self.pending = self.f.read(1 << 20)
+                if not self.pending:
+                    if not self.inflate.eof:
+                        raise TraceError(self.path, "truncated gzip stream (the compressed file ends early)")
+                    self.eof = True
+                    break
             try:
-                piece = self.inflate.decompress(raw)
-                while self.inflate.eof and self.inflate.unused_data:  # concatenated gzip members
-                    rest = self.inflate.unused_data
+                piece = self.inflate.decompress(self.pending, n - size)
+                self.pending = self.inflate.unconsumed_tail
+                if self.inflate.eof and self.inflate.unused_data:  # concatenated gzip members
+                    self.pending = self.inflate.unused_data
                     self.inflate = zlib.decompressobj(wbits=31)
-                    piece += self.inflate.decompress(rest)
             except zlib.error as exc:
                 raise TraceError(self.path, f"corrupt gzip data ({exc})") from None
             out.append(piece)
             size += len(piece)
+            self._check(len(piece))
         self._tick()
         return b"".join(out)
+
+    def _check(self, more: int) -> None:
+        self.inflated += more
+        if self.inflated > self.lim.max_bytes:
+            raise self.lim.too_big(self.path, inflated=True)
+        if self.inflated > limits.GZIP_RATIO_AFTER_BYTES:
+            ratio = self.inflated / max(1, self.f.tell() - len(self.pending))
+            if ratio > self.lim.max_ratio:
+                raise self.lim.bomb(self.path, ratio)
 
     def rewind(self) -> None:
         """Start reading the file again from its first byte."""
         self.f.seek(0)
         self.inflate = zlib.decompressobj(wbits=31) if self.gz else None
+        self.pending = b""
+        self.inflated = 0
         self.eof = False
 
     def _tick(self) -> None:
@@ -148,6 +174,8 @@ def read_trace(path: str, progress: Optional[Callable[[int, int], None]] = None,
     except PermissionError:
         raise TraceError(path, "permission denied") from None
     try:
+        if not reader.gz and reader.total > reader.lim.max_bytes:  # refused before reading a byte
+            raise reader.lim.too_big(path, inflated=False)
         st0 = os.fstat(reader.f.fileno())
         parsed = _parse(reader, chunk_bytes, workers)
         st1 = os.stat(path) if os.path.exists(path) else None
@@ -248,7 +276,7 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
 
     b = Builder()
     buf = buf[pos:]
-    at = _At(path, pos)
+    at = _At(path, pos, r.lim)
     if workers > 1 and r.total >= PARALLEL_MIN_BYTES and buf.startswith(_KINETO_FIRST):
         done = _parse_parallel(r, b, buf, chunk_bytes, workers)
         if done is not None:
@@ -288,6 +316,12 @@ class _At:
 
     path: str
     offset: int
+    lim: Limits
+
+    def count(self, b: Builder) -> None:
+        """Stop once the trace holds more events than the limit (checked as batches are added)."""
+        if b.n_events > self.lim.max_events:
+            raise self.lim.too_many(self.path)
 
     def error(self, problem: str) -> TraceError:
         return TraceError(self.path, problem)
@@ -381,11 +415,15 @@ def _parse_parallel(r: _Reader, b: Builder, buf: bytes, chunk_bytes: int,
                     if part is None:  # leave on an exception: the pool kills the busy workers
                         raise WorkerLost("a block did not decode")
                     b.merge(part)
+                    if b.n_events > r.lim.max_events:
+                        raise r.lim.too_many(r.path)
             while pending:
                 part = pending.popleft().result()
                 if part is None:
                     raise WorkerLost("a block did not decode")
                 b.merge(part)
+                if b.n_events > r.lim.max_events:
+                    raise r.lim.too_many(r.path)
     except WorkerLost:
         return None
     return buf, workers, consumed
@@ -403,6 +441,7 @@ def _add(b: Builder, evs: list, at: _At) -> None:
         b.add(evs)
     except EventError as err:
         raise at.event_error(err) from None
+    at.count(b)
 
 
 def _decode_bulk(b: Builder, buf: bytes, at: _At) -> Optional[int]:
