@@ -66,6 +66,18 @@ def test_snapshot_loader_runs_no_code(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+def test_snapshot_bomb_is_refused_at_the_trace_limit(tmp_path, monkeypatch):
+    """A gzipped snapshot inflates a bounded chunk at a time: 64 MiB of zeros (64 KiB of gzip)
+    past a 0.01 GiB limit is one error, not 64 MiB in memory."""
+    monkeypatch.setenv("AIPROF_MAX_TRACE_GB", "0.01")
+    p = tmp_path / "bomb.pickle.gz"
+    with gzip.open(p, "wb") as f:
+        for _ in range(64):
+            f.write(bytes(1 << 20))
+    with pytest.raises(AiprofError, match="more than 0.01 GiB"):
+        load_snapshot(str(p))
+
+
 def test_flops_from_shapes(gpt2):
     st = find_steps(gpt2)
     f = flops_analysis(gpt2, st, "bf16")

@@ -3,9 +3,9 @@
 Definitions in docs/metrics.md ("Memory and FLOPs")."""
 from __future__ import annotations
 
-import gzip
 import io
 import pickle
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,6 +13,7 @@ import numpy as np
 from aiprof import npx
 from aiprof.analysis.hotspots import OP, host_tree, is_library_frame
 from aiprof.errors import AiprofError
+from aiprof.trace import limits
 from aiprof.trace.store import RankTrace
 
 _CUDA_DEVICE_TYPE = 1  # c10::DeviceType::CUDA in [memory] events
@@ -104,6 +105,29 @@ class _SafeUnpickler(pickle.Unpickler):
         raise AiprofError(f"memory snapshot refers to {module}.{name}: not a plain torch.cuda.memory._snapshot()")
 
 
+# Inflate a gzipped snapshot this much at a time, so that a bomb is stopped at the trace limit
+# (trace/limits.py: the same bound as a trace's JSON) instead of expanding whole in memory.
+_INFLATE_CHUNK = 16 << 20
+
+
+def _inflate_bounded(path: str, data: bytes) -> bytes:
+    lim = limits.current()
+    d = zlib.decompressobj(wbits=31)  # gzip framing
+    out, total, rest = [], 0, data
+    try:
+        while rest and not d.eof:
+            part = d.decompress(rest, _INFLATE_CHUNK)
+            rest = d.unconsumed_tail
+            total += len(part)
+            if total > lim.max_bytes:
+                raise AiprofError(f"{path}: decompresses to more than {lim.max_gb:g} GiB, the limit on one input "
+                                  f"(--max-trace-gb or ${limits.ENV_MAX_TRACE_GB} raises it)")
+            out.append(part)
+    except zlib.error as exc:
+        raise AiprofError(f"{path}: not a gzip file ({exc})") from None
+    return b"".join(out)
+
+
 def load_snapshot(path: str) -> dict:
     """Read a ``torch.cuda.memory._snapshot()`` pickle (optionally gzipped) without running code."""
     try:
@@ -112,7 +136,7 @@ def load_snapshot(path: str) -> dict:
     except OSError as exc:
         raise AiprofError(f"{path}: {exc.strerror or exc}") from None
     if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+        data = _inflate_bounded(path, data)
     try:
         snap = _SafeUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError) as exc:
