@@ -138,6 +138,21 @@ def test_report_is_the_clis(stall_cap):
     assert stall_cap.report().to_dict() == build_report(stall_cap.raw)
 
 
+def test_cpu_only_capture_has_no_gpu_numbers(tmp_path, pd):
+    # a real CPU-only torch.profiler capture: its GPU breakdown is unknown (NaN), not 0
+    script = ROOT / "tests" / "trace" / "scripts" / "tb_cycles.py"
+    res = subprocess.run([sys.executable, str(script), str(tmp_path), "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    cap = aiprof.open(tmp_path)
+    assert len(cap.kernels) == 0 and len(cap.steps) == 2 and cap.table("steps") is cap.steps
+    tb = cap.get_temporal_breakdown()
+    assert tb["duration_us"].iloc[0] > 0
+    assert tb.drop(columns=["rank", "steps", "duration_us"]).isna().all(axis=None)
+    assert cap.get_comm_comp_overlap().drop(columns=["rank"]).isna().all(axis=None)
+    assert len(cap.get_idle_time_breakdown()) == 0 and len(cap.get_gpu_kernel_breakdown()[1]) == 0
+    assert "none found" in cap.report()._repr_html_()
+
+
 def test_frame_repr_names_units(stall_cap):
     r = repr(stall_cap.kernels)
     assert "kernels" in r and "ts [ns]" in r and str(len(stall_cap.kernels)) in r

@@ -83,6 +83,8 @@ class Capture:
         """A table of the store (docs/metrics.md, "Tables"), all ranks, ``rank`` first. Times
         (``ts``, ``dur``, ``t0``, ``t1``) are int64 ns on the trace's clock; -1 is unknown in
         integer columns that the trace may lack (``regs``, ``smem``, ``ext_id``, ...)."""
+        if name == "steps":
+            return self.steps
         if name not in TABLES:
             raise KeyError(f"no table {name!r}: the tables are {', '.join(TABLES)} (and steps)")
         if name not in self._frames:
@@ -198,11 +200,12 @@ class Capture:
     def get_comm_comp_overlap(self) -> "pd.DataFrame":
         """HTA's ``get_comm_comp_overlap``: per rank, the share of communication time (GPU,
         over the analysed steps) that compute overlapped, in ``comp_comm_overlap_pctg``; NaN
-        for a rank without communication."""
+        for a rank without communication (all NaN without GPU activity)."""
         rows = []
         for r in self.report().ranks:
-            total = _num(r.summary.get("communication_total_us"))
-            exposed = _num(r.summary.get("communication_us"))
+            gpu = bool(r.hotspots.get("has_gpu"))
+            total = _num(r.summary.get("communication_total_us")) if gpu else math.nan
+            exposed = _num(r.summary.get("communication_us")) if gpu else math.nan
             rows.append({"rank": r.rank, "communication_us": total, "communication_exposed_us": exposed,
                          "communication_overlapped_us": total - exposed,
                          "comp_comm_overlap_pctg": _pct(total - exposed, total)})
