@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tests.deps import need
 
 DATA = Path(__file__).parent / "data"
 
@@ -71,7 +72,7 @@ def browser(tmp_path_factory):
 
     if not static_built():
         pytest.fail("the UI front end is not built: run `make setup` (npm ci && npm run build in web/)")
-    sync_api = pytest.importorskip("playwright.sync_api")
+    sync_api = need("playwright.sync_api")
     pw = sync_api.sync_playwright().start()
     profile = tmp_path_factory.mktemp("chromium-profile")
     ctx = pw.chromium.launch_persistent_context(str(profile), executable_path=exe, args=CHROMIUM_ARGS, headless=True,

@@ -8,11 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from capsupport import aiprof, stop, wait_for
 from test_attach import injection_ok, tiny_target  # noqa: F401  (fixtures)
 
-pytest.importorskip("uvicorn")
+from tests.deps import need
+
+need("uvicorn")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 from srvsupport import start_server  # noqa: E402
 

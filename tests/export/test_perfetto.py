@@ -4,14 +4,14 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
-import pytest
 
 from aiprof.export import perfetto
 from aiprof.export import protobuf as pb
 from aiprof.export.timeline import Mark
 from aiprof.analysis.steps import find_steps
+from tests.deps import need
 
-p2 = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
+p2 = need("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
 
 
 def _decode(path):

@@ -6,13 +6,13 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from capsupport import PY, aiprof, env_with, load_meta, load_trace, rank_dirs, stop, torch_loaded, wait_for
 
 from aiprof.native.engine import frida_status
+from tests.deps import need
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 STEPS, SKIP, ITERS = 80, 4, 6  # 80 steps of ~45 ms: room for the sidecar to attach on a loaded host
@@ -96,7 +96,7 @@ def test_syscalls_name_the_read_and_the_cause_uses_them(captured):
 
 
 def test_perfetto_has_a_track_per_library_and_per_thread_of_syscalls(captured, tmp_path):
-    p2 = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
+    p2 = need("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
     cap, d, _ = captured
     meta = load_meta(d)
     out = tmp_path / "t.pftrace"

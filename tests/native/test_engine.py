@@ -2,8 +2,6 @@
 the thread, the clock, libraries loaded after the attach, unhooking, bad probe files."""
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +10,7 @@ import numpy as np
 import pytest
 
 from aiprof.native.engine import EngineError, ProbeEngine, frida_status
-from aiprof.native.probes import (DEFAULT_PROBE_FILE, HOT_SYMBOLS, ProbeError, decode_args, load_probe_file,
+from aiprof.native.probes import (HOT_SYMBOLS, ProbeError, decode_args, load_probe_file,
                                   parse_probes)
 
 pytestmark = pytest.mark.skipif(not frida_status()[0], reason=f"Frida missing: {frida_status()[1]}")

@@ -5,7 +5,7 @@ process with one hint line; --cluster is one line and exit 2.
 Ray is installed in the test environment, so each run here is a subprocess whose PYTHONPATH
 starts with a `sitecustomize` that makes `import ray` raise ModuleNotFoundError, as it does
 where Ray is not installed, and logs every attempt. (A real install without Ray is covered by
-the wheel test in tests/packaging.)
+the wheel test in tests/wheel.)
 """
 from __future__ import annotations
 

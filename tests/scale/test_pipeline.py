@@ -14,6 +14,7 @@ from aiprof.errors import AiprofError, TraceError, UsageError
 from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report, partners
 from aiprof.trace.store import find_trace_files, open_capture
+from tests.deps import need
 
 
 def _coupling_reference(columns: dict, ends: dict) -> dict:
@@ -149,7 +150,7 @@ def test_engine_choice_refuses_nonsense():
 
 
 def test_unreachable_cluster_is_one_line_at_once():
-    pytest.importorskip("ray")
+    need("ray")
     import socket
 
     with socket.socket() as s:  # a port nobody listens on

@@ -16,7 +16,9 @@ from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report
 from aiprof.trace.store import find_trace_files, open_capture
 
-pytest.importorskip("ray")
+from tests.deps import need
+
+need("ray")
 CPUS = 2  # CI has two cores
 
 

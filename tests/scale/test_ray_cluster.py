@@ -30,8 +30,9 @@ import pytest
 from aiprof.analysis.report import build_report
 from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture
+from tests.deps import need
 
-pytest.importorskip("ray")
+need("ray")
 
 # A head on two shared cores starts in 5-15 s; far above that it is broken, not slow.
 HEAD_START_TIMEOUT_S = 120.0

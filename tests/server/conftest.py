@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
+from tests.deps import need
+
+need("uvicorn")
+need("starlette")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from srvsupport import start_server  # noqa: E402

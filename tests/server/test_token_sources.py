@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("uvicorn")
+from tests.deps import need
+
+need("uvicorn")
 from srvsupport import PY, start_server  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,8 +11,10 @@ import pytest
 
 from aiprof.trace.store import open_capture
 
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("starlette")
+from tests.deps import need
+
+uvicorn = need("uvicorn")
+need("starlette")
 
 from aiprof.server.app import create_app  # noqa: E402
 from aiprof.server.data import CaptureData  # noqa: E402

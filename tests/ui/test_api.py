@@ -4,7 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("starlette")
+from tests.deps import need
+
+need("starlette")
 from starlette.testclient import TestClient  # noqa: E402
 
 from aiprof.server.app import create_app  # noqa: E402
