@@ -17,8 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "tracks, counters, steps); chrome: trace-event JSON (.gz to compress); "
                                    "speedscope: GPU and CPU flame graphs per rank; folded: GPU stacks.")
     p.add_argument("paths", nargs="+", metavar="CAPTURE", help="trace file(s) or capture directory")
-    p.add_argument("--format", choices=FORMATS, default="perfetto")
-    p.add_argument("-o", "--output", required=True, metavar="FILE")
+    p.add_argument("--format", choices=FORMATS, default="perfetto",
+                   help="perfetto (protobuf .pftrace), chrome (trace-event JSON with flow arrows; .gz compresses), "
+                        "speedscope (GPU and CPU graphs per rank) or folded (default perfetto)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="output file (written whole or not at all)")
     p.add_argument("--no-host", action="store_true", help="timeline formats: GPU, steps and counters only")
     p.add_argument("--what", choices=("gpu", "cpu"), default="gpu", help="folded: which graph (default gpu)")
     p.add_argument("--no-findings", action="store_true", help="timeline formats: skip the track of causes "

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=FORMATS, help="output format (default: from the file suffix)")
     p.add_argument("--what", choices=("gpu", "cpu", "both", "native"), default="gpu",
                    help="GPU time, host time, or both (html: a toggle; speedscope: two profiles); native: the "
-                        "capture's sampled native+Python stacks (native.folded, from --what native)")
+                        "capture's sampled native+Python stacks (native.folded, from --what native) (default gpu)")
     p.add_argument("--rank", type=int, help="one rank (default: all ranks merged)")
     p.add_argument("--split-ranks", action="store_true", help="keep ranks apart under a 'rank N' root frame")
     p.add_argument("--step", type=int, help="only this step (number as in the report, e.g. 3 for ProfilerStep#3)")
