@@ -337,6 +337,10 @@ def _trace_meta(path: str, raw: dict, tables: dict[str, Table]) -> dict:
     of its own gets ``rank`` None (``rank_from`` "order"): its number is its place among the
     files opened together (:func:`_with_rank`), which is no property of the file to cache."""
     _check_meta(path, raw)
+    exported = raw.get("aiprof") if isinstance(raw.get("aiprof"), dict) else {}
+    if len(exported.get("ranks") or []) > 1:  # one Kineto file is one rank: these would merge into one
+        raise TraceError(path, f"an `aiprof export` of {len(exported['ranks'])} ranks in one file reads back as "
+                               "one rank: analyse the capture it came from, or export each rank (--rank R)")
     dist = raw.get("distributedInfo") or {}
     rank = dist.get("rank")
     rank_from = "distributedInfo"
