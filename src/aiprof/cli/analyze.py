@@ -15,7 +15,7 @@ from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import AiprofError
 from aiprof.report import json_report, text
 from aiprof.scale import engines
-from aiprof.trace.store import find_trace_files, open_capture
+from aiprof.trace.store import find_trace_files, open_capture, progress_wanted
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,7 +126,16 @@ def run(args: argparse.Namespace) -> int:
         if pfile:
             pfile("ingest", len(files), len(files))
             pfile("analyse", 0, 1)
-        report = build_report(cap, entry=args.entry, top=args.top)
+        # analysing a large capture takes about as long as ingesting it: the phase gets a bar too
+        bar, update = _progress() if progress_wanted(files) else (None, None)
+        if bar is not None:
+            phase = f"analyse {len(cap.ranks)} rank(s)"
+            with bar:
+                update(phase, 0, 1)
+                report = build_report(cap, entry=args.entry, top=args.top)
+                update(phase, 1, 1)
+        else:
+            report = build_report(cap, entry=args.entry, top=args.top)
         if pfile:
             pfile("analyse", 1, 1)
     else:
