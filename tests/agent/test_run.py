@@ -165,3 +165,18 @@ def test_trigger_idle_agent(rt, tmp_path):
     res = aiprof(rt, "trigger", "-n", "1")
     assert res.returncode == 2 and "no aiprof agent is running" in res.stderr
     assert not list(Path(rt).glob("agent-*.sock"))
+
+
+def test_run_says_why_no_capture(rt, tmp_path):
+    """A job that fails before its capture: its exit status and the end of its stderr (still shown
+    as it came); one that ends too early: how many iterations the capture needed."""
+    out = tmp_path / "caps"
+    res = aiprof(rt, "run", "--iterations", "2", "--out", str(out), "--", PY, str(tmp_path / "nonexistent.py"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert "can't open file" in lines[0]  # the job's own stderr, passed through
+    assert lines[1].startswith("aiprof: no capture: the command exited 2 before its capture (--skip 0 + 2 iteration(s))")
+    assert lines[2].startswith("  | ") and "nonexistent.py" in lines[2]
+    res = aiprof(rt, "run", "--skip", "20", "--iterations", "2", "--out", str(out), "--", PY, str(TINY), "--steps", "3")
+    assert res.returncode == 0
+    assert "exited 0 before reaching --skip 20 + 2 iteration(s)" in res.stderr

@@ -12,7 +12,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 from typing import Any
 
 import aiprof
@@ -54,9 +56,66 @@ def agent_env(boot_dir: str, request: CaptureRequest | None, entry: str | None, 
     return env
 
 
+class StderrTail:
+    """The last TAIL_BYTES the job wrote to stderr, kept while every byte is passed on to ours.
+
+    The job's stderr goes through a pipe, or a pseudo-terminal when ours is a terminal so the job
+    still sees one (colours, progress bars); a copying thread forwards it unchanged.
+    """
+
+    TAIL_BYTES = 4096  # a traceback's last frames and its message
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.thread: threading.Thread | None = None
+
+    def open(self) -> int:
+        """The descriptor the child gets as stderr; the copying thread starts here."""
+        try:
+            tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):
+            tty = False
+        if tty:
+            import pty
+
+            read_fd, child_fd = pty.openpty()
+        else:
+            read_fd, child_fd = os.pipe()
+        self.thread = threading.Thread(target=self._copy, args=(read_fd,), daemon=True)
+        self.thread.start()
+        return child_fd
+
+    def _copy(self, fd: int) -> None:
+        out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+        try:
+            while True:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:  # EIO: the pseudo-terminal's last writer is gone
+                    break
+                if not data:
+                    break
+                self.buf += data
+                del self.buf[:-self.TAIL_BYTES]
+                if out is not None:
+                    out.write(data)
+                    out.flush()
+        finally:
+            os.close(fd)
+
+    def lines(self, n: int = 5) -> list[str]:
+        """The last ``n`` non-blank lines, after the job has exited."""
+        if self.thread is not None:
+            self.thread.join(2.0)  # a grandchild still holding the pipe must not hang us
+        text = self.buf.decode("utf-8", "replace").replace("\r\n", "\n")
+        return [ln for ln in text.split("\n") if ln.strip()][-n:]
+
+
 def run_with_agent(cmd: list[str], request: CaptureRequest | None, entry: str | None = None,
-                   rt: str | None = None, server: dict[str, Any] | None = None) -> int:
-    """Run ``cmd`` with the agent preloaded; forwards SIGINT/SIGTERM; returns its exit code."""
+                   rt: str | None = None, server: dict[str, Any] | None = None,
+                   stderr_tail: StderrTail | None = None) -> int:
+    """Run ``cmd`` with the agent preloaded; forwards SIGINT/SIGTERM; returns its exit code.
+    ``stderr_tail`` keeps the end of the job's stderr (still shown as it comes)."""
     if not cmd:
         raise AiprofError("nothing to run: give a command after --, e.g. aiprof run -- python train.py")
     if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
@@ -64,10 +123,14 @@ def run_with_agent(cmd: list[str], request: CaptureRequest | None, entry: str | 
     boot = make_boot_dir()
     try:
         env = agent_env(boot, request, entry, rt, server=server)
+        child_err = stderr_tail.open() if stderr_tail is not None else None
         try:
-            proc = subprocess.Popen(cmd, env=env)
+            proc = subprocess.Popen(cmd, env=env, stderr=child_err)
         except OSError as exc:
             raise AiprofError(f"cannot start {cmd[0]}: {exc.strerror or exc}") from exc
+        finally:
+            if child_err is not None:
+                os.close(child_err)  # the child holds its copy: EOF reaches the reader when it exits
 
         def forward(signum: int, _frame: Any) -> None:
             try:

@@ -10,11 +10,12 @@ import sys
 import time
 
 from aiprof.analysis.report import build_report
+from aiprof.cli import gates
 from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import AiprofError
 from aiprof.report import json_report, text
 from aiprof.scale import engines
-from aiprof.trace.store import find_trace_files, open_capture
+from aiprof.trace.store import find_trace_files, open_capture, progress_wanted
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, metavar="N", help="CPUs of the local Ray aiprof starts (default: all)")
     p.add_argument("--stats", metavar="FILE", help="write the run's cost as JSON: engine, wall time, "
                                                   "driver peak RSS, driver and worker CPU")
+    p.add_argument("--fail-on", choices=("high", "medium"), metavar="SEVERITY",
+                   help=f"CI gate: exit {gates.GATE_EXIT} (after writing every output) when a cause of this "
+                        "severity or worse is found: high, or medium (medium or high) (default: never)")
     p.add_argument("--progress-file", metavar="FILE", help="keep FILE updated with the progress as JSON "
                                                           "(phase, done, total; what `aiprof server` shows)")
     p.set_defaults(func=run)
@@ -122,7 +126,16 @@ def run(args: argparse.Namespace) -> int:
         if pfile:
             pfile("ingest", len(files), len(files))
             pfile("analyse", 0, 1)
-        report = build_report(cap, entry=args.entry, top=args.top)
+        # analysing a large capture takes about as long as ingesting it: the phase gets a bar too
+        bar, update = _progress() if progress_wanted(files) else (None, None)
+        if bar is not None:
+            phase = f"analyse {len(cap.ranks)} rank(s)"
+            with bar:
+                update(phase, 0, 1)
+                report = build_report(cap, entry=args.entry, top=args.top)
+                update(phase, 1, 1)
+        else:
+            report = build_report(cap, entry=args.entry, top=args.top)
         if pfile:
             pfile("analyse", 1, 1)
     else:
@@ -162,6 +175,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nwrote {os.path.join(args.out, 'report.json')} and report.txt")
         if args.html:
             print(f"wrote {args.html}")
+    if args.fail_on:
+        why = gates.fail_on_message(report, args.fail_on)
+        if why:
+            print(f"aiprof: {why}", file=sys.stderr)
+            return gates.GATE_EXIT
     return 0
 
 

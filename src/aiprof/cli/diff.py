@@ -7,6 +7,7 @@ import sys
 from dataclasses import asdict
 
 from aiprof.analysis.diff import diff_captures, diff_steps
+from aiprof.cli import gates
 from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import UsageError
 from aiprof.report import json_report, text
@@ -27,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=20, help="how many items to list (default 20)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    p.add_argument("--fail-if-slower", type=float, metavar="PCT",
+                   help=f"CI gate, with two traces A B: exit {gates.GATE_EXIT} (after printing the diff) when B's "
+                        "median step (the step closest to the median step time) is more than PCT %% slower than "
+                        "A's (default: never)")
     add_capture_option(p)
     p.set_defaults(func=run)
 
@@ -43,6 +48,11 @@ def _pick(cap, rank):
 def run(args: argparse.Namespace) -> int:
     if len(args.paths) > 2:
         raise UsageError("diff takes one trace (two of its steps) or two traces (A B)")
+    if args.fail_if_slower is not None:
+        if len(args.paths) != 2:
+            raise UsageError("--fail-if-slower compares two captures: give A (the baseline) and B")
+        if args.fail_if_slower < 0:
+            raise UsageError(f"--fail-if-slower takes a percentage >= 0, not {args.fail_if_slower:g}")
     if len(args.paths) == 1:
         rt = _pick(open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture), args.rank)
         d = diff_steps(rt, args.base, args.compare, top=args.top)
@@ -55,4 +65,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json_report.dumps(out) + "\n")
     else:
         text.render_diff(out)
+    if args.fail_if_slower is not None:
+        # --base/--compare pick other steps than the medians: the message names them as such
+        which = "median step" if args.base is None and args.compare is None else "compared step"
+        why = gates.fail_if_slower_message(out, args.fail_if_slower, which)
+        if why:
+            print(f"aiprof: {why}", file=sys.stderr)
+            return gates.GATE_EXIT
     return 0

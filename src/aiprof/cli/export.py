@@ -6,6 +6,7 @@ import json
 import sys
 
 from aiprof.cli.inputs import add_capture_option
+from aiprof.errors import AiprofError, UsageError
 from aiprof.export.files import atomic_open
 
 FORMATS = ("perfetto", "chrome", "speedscope", "folded")
@@ -17,8 +18,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "tracks, counters, steps); chrome: trace-event JSON (.gz to compress); "
                                    "speedscope: GPU and CPU flame graphs per rank; folded: GPU stacks.")
     p.add_argument("paths", nargs="+", metavar="CAPTURE", help="trace file(s) or capture directory")
-    p.add_argument("--format", choices=FORMATS, default="perfetto")
-    p.add_argument("-o", "--output", required=True, metavar="FILE")
+    p.add_argument("--format", choices=FORMATS, default="perfetto",
+                   help="perfetto (protobuf .pftrace), chrome (trace-event JSON with flow arrows; .gz compresses), "
+                        "speedscope (GPU and CPU graphs per rank) or folded (default perfetto)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="output file (written whole or not at all)")
+    p.add_argument("--rank", type=int, help="only this rank (default: every rank; a chrome file of one rank "
+                                            "reads back into aiprof analyze)")
     p.add_argument("--no-host", action="store_true", help="timeline formats: GPU, steps and counters only")
     p.add_argument("--what", choices=("gpu", "cpu"), default="gpu", help="folded: which graph (default gpu)")
     p.add_argument("--no-findings", action="store_true", help="timeline formats: skip the track of causes "
@@ -38,6 +43,8 @@ def _marks(cap, args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiprof.cli.flame import refuse_empty
+    from aiprof.flame import lacks
     from aiprof.trace.store import open_capture
 
     if args.format == "perfetto":
@@ -45,6 +52,19 @@ def run(args: argparse.Namespace) -> int:
 
         perfetto._pb2()
     cap = open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture)
+    if args.rank is not None:
+        from aiprof.trace.store import Capture
+
+        try:
+            cap = Capture(ranks=[cap.rank(args.rank)])
+        except KeyError:
+            raise UsageError(f"no rank {args.rank} (ranks: {', '.join(str(r.rank) for r in cap.ranks)})") from None
+    if args.format in ("perfetto", "chrome"):
+        why = lacks.timeline_empty_reason(cap, host=not args.no_host)
+        if why:
+            raise AiprofError(why)
+        for note in lacks.timeline_notes(cap, host=not args.no_host):
+            print(f"aiprof: note: {note}", file=sys.stderr)
     if args.format == "perfetto":
         st = perfetto.export(cap, args.output, marks=_marks(cap, args), host=not args.no_host)
         print(f"wrote {args.output}: {sum(st.slices.values()):,} slices, {st.counters:,} counter values, "
@@ -52,13 +72,15 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "chrome":
         from aiprof.export import chrome
 
-        n = chrome.export(cap, args.output, marks=_marks(cap, args), host=not args.no_host)
-        print(f"wrote {args.output}: {n:,} events", file=sys.stderr)
+        st = chrome.export(cap, args.output, marks=_marks(cap, args), host=not args.no_host)
+        print(f"wrote {args.output}: {st.events:,} events, {st.flows:,} flow arrows", file=sys.stderr)
     else:
         from aiprof.flame import folded, speedscope, stacks
 
         if args.format == "folded":
             prof = stacks.build(cap, args.what)
+            if not prof.stacks:
+                raise AiprofError(f"nothing to export: {lacks.empty_graph_reason(cap, args.what)}")
             with atomic_open(args.output, "w") as f:
                 n = folded.write(prof, f)
             print(f"wrote {args.output}: {n} stacks", file=sys.stderr)
@@ -67,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             for rt in cap.ranks:
                 fo = stacks.host_forest(rt)
                 profs += [stacks.gpu_profile(rt, forest=fo), stacks.cpu_profile(rt, forest=fo)]
+            refuse_empty([f"{p.name} graph: {lacks.empty_graph_reason(cap, p.meta.get('what', 'gpu'), p.meta.get('rank'))}"
+                          for p in profs if not p.stacks], len(profs))
             with atomic_open(args.output, "w") as f:
                 json.dump(speedscope.document(profs), f)
             print(f"wrote {args.output}: {len(profs)} profiles", file=sys.stderr)

@@ -6,9 +6,9 @@ import json
 import sys
 
 from aiprof.cli.inputs import add_capture_option
-from aiprof.errors import UsageError
+from aiprof.errors import AiprofError, UsageError
 from aiprof.export.files import atomic_open
-from aiprof.flame import folded, pyspy, speedscope, stacks, svg
+from aiprof.flame import folded, lacks, pyspy, speedscope, stacks, svg
 from aiprof.flame.profile import Profile, diff
 
 FORMATS = ("svg", "html", "folded", "speedscope")
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=FORMATS, help="output format (default: from the file suffix)")
     p.add_argument("--what", choices=("gpu", "cpu", "both", "native"), default="gpu",
                    help="GPU time, host time, or both (html: a toggle; speedscope: two profiles); native: the "
-                        "capture's sampled native+Python stacks (native.folded, from --what native)")
+                        "capture's sampled native+Python stacks (native.folded, from --what native) (default gpu)")
     p.add_argument("--rank", type=int, help="one rank (default: all ranks merged)")
     p.add_argument("--split-ranks", action="store_true", help="keep ranks apart under a 'rank N' root frame")
     p.add_argument("--step", type=int, help="only this step (number as in the report, e.g. 3 for ProfilerStep#3)")
@@ -71,6 +71,7 @@ def profiles(args: argparse.Namespace) -> list[Profile]:
     cap = open_capture(args.paths, use_cache=not args.no_cache, capture=args.capture)
     whats = ["gpu", "cpu"] if args.what == "both" else [args.what]
     out = []
+    empty: list[str] = []
     for what in whats:
         new = stacks.build(cap, what, rank=args.rank, step=args.step, split_ranks=args.split_ranks)
         if args.diff:
@@ -80,8 +81,22 @@ def profiles(args: argparse.Namespace) -> list[Profile]:
         elif args.diff_step is not None:
             base = stacks.build(cap, what, rank=args.rank, step=args.diff_step, split_ranks=args.split_ranks)
             new = diff(base, new, name=f"{what.upper()} step {args.step} vs step {args.diff_step}")
+        if not new.stacks:
+            empty.append(f"{what.upper()} graph: {lacks.empty_graph_reason(cap, what, args.rank, args.step)}")
         out.append(new)
+    refuse_empty(empty, len(out))
+    note = lacks.python_note(cap, "stacks")
+    if note:
+        print(f"aiprof: note: {note}", file=sys.stderr)
     return out
+
+
+def refuse_empty(empty: list[str], total: int) -> None:
+    """No graph to draw: one-line error (nothing written); some of several empty: a warning each."""
+    if empty and len(empty) == total:
+        raise AiprofError("nothing to draw: " + "; ".join(empty))
+    for why in empty:
+        print(f"aiprof: warning: empty {why}", file=sys.stderr)
 
 
 def native_profile(paths: list[str], rank: int | None = None) -> Profile:

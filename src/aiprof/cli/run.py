@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from aiprof.cli.capture_options import add_capture_options, has_capture_options, request_from_args
 from aiprof.cli.server_options import add_server_options, agent_server_config
+
+if TYPE_CHECKING:
+    from aiprof.agent.config import CaptureRequest
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiprof.attach.launch import list_rank_dirs, run_with_agent
+    from aiprof.attach.launch import StderrTail, list_rank_dirs, run_with_agent
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -59,12 +63,28 @@ def run(args: argparse.Namespace) -> int:
             ServerClient(server["url"], server["token"], timeout=3.0).get("info")
         except ServerError as exc:  # the job runs anyway; its agents keep trying
             print(f"aiprof: warning: server not reachable now ({exc}); agents will keep trying", file=_sys.stderr)
-    rc = run_with_agent(cmd, req if capture else None, entry=args.entry, server=server)
+    tail = StderrTail() if capture else None
+    rc = run_with_agent(cmd, req if capture else None, entry=args.entry, server=server, stderr_tail=tail)
     if capture:
         dirs = list_rank_dirs(req.out, req.capture_id)
         if dirs:
             print(f"aiprof: capture {req.capture_id}: " + ", ".join(dirs), file=sys.stderr)
         else:
-            print(f"aiprof: no capture was written to {req.out}/{req.capture_id} "
-                  "(did the job run enough iterations?)", file=sys.stderr)
+            print(no_capture_message(rc, req, tail.lines() if tail else []), file=sys.stderr)
     return rc
+
+
+def no_capture_message(rc: int, req: "CaptureRequest", tail: list[str]) -> str:
+    """Why no capture was written: the job failed (its exit status and the end of its stderr), or
+    it finished without reaching the iterations asked for."""
+    where = f"{req.out}/{req.capture_id}"
+    if req.iterations is not None:
+        need = f"--skip {req.skip} + {req.iterations} iteration(s)"
+    else:
+        need = f"--skip {req.skip} iteration(s) then {req.duration_ms} ms"
+    if rc != 0:
+        said = ("; the end of its stderr:" + "".join(f"\n  | {line}" for line in tail)) if tail else \
+            " (it wrote nothing to stderr)"
+        return f"aiprof: no capture: the command exited {rc} before its capture ({need}) was written to {where}{said}"
+    return (f"aiprof: no capture: the command exited 0 before reaching {need}: nothing was written to {where} "
+            "(an iteration is an optimizer.step() or an --entry call; fewer ran, or torch was never imported)")

@@ -10,7 +10,7 @@ from aiprof.errors import AiprofError
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("stacks", help="dump Python stacks of running processes (py-spy)",
                               description=__doc__.splitlines()[0])
-    p.add_argument("targets", nargs="+", metavar="PID|NAME")
+    p.add_argument("targets", nargs="+", metavar="PID|NAME", help="process ids or names (matched against command lines)")
     p.add_argument("--json", action="store_true", help="one JSON document: a list of processes with threads and frames")
     p.add_argument("--native", action="store_true", help="include native (C/C++) frames where py-spy can unwind them")
     p.add_argument("--timeout", type=float, default=20.0, help="seconds per process (default 20)")

@@ -31,6 +31,7 @@ class Track:
     rank: int
     name: str
     kind: str
+    thread: Optional[tuple[int, int]] = None  # host tracks: the (pid, tid) of the recorded thread
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Timeline:
     source: np.ndarray  # index into SOURCES
     flow_out: np.ndarray  # flow id leaving this slice (a launch), 0 = none
     flow_in: np.ndarray  # flow id ending here (the launched GPU work), 0 = none
+    row: np.ndarray  # the slice's row in its rank's source table (python, ops, kernels, ...), -1 = none
     clipped: int = 0
     sources: tuple[str, ...] = ()
     meta: dict = field(default_factory=dict)
@@ -87,7 +89,8 @@ class _Builder:
         self.counters: list[CounterTrack] = []
         self.names: dict[str, int] = {}
         self.parts: dict[str, list[np.ndarray]] = {k: [] for k in
-                                                   ("start", "end", "track", "name", "depth", "source", "fout", "fin")}
+                                                   ("start", "end", "track", "name", "depth", "source", "fout", "fin",
+                                                    "row")}
         self.clipped = 0
         self.next_uuid = 1
 
@@ -105,7 +108,7 @@ class _Builder:
                          + [self.names.setdefault("", len(self.names))], dtype=np.int64)
         return remap[codes]
 
-    def add(self, uuid: int, start, end, name, depth, source: str, fout=None, fin=None) -> None:
+    def add(self, uuid: int, start, end, name, depth, source: str, fout=None, fin=None, row=None) -> None:
         n = len(start)
         p = self.parts
         p["start"].append(np.asarray(start, np.int64))
@@ -116,6 +119,7 @@ class _Builder:
         p["source"].append(np.full(n, SOURCES.index(source), np.int64))
         p["fout"].append(np.zeros(n, np.int64) if fout is None else np.asarray(fout, np.int64))
         p["fin"].append(np.zeros(n, np.int64) if fin is None else np.asarray(fin, np.int64))
+        p["row"].append(np.full(n, -1, np.int64) if row is None else np.asarray(row, np.int64))
 
     def host(self, rt: RankTrace, flows: dict[str, np.ndarray], process: dict) -> None:
         tables = []
@@ -126,16 +130,17 @@ class _Builder:
             keep = ~t["gpu"] if src == "annotations" else np.ones(len(t), bool)
             names = t.strings("name")
             tables.append((src, si, t.take(keep), self.codes(names.labels, names.codes[keep]),
-                           flows.get(src, np.zeros(len(t), np.int64))[keep]))
+                           flows.get(src, np.zeros(len(t), np.int64))[keep], np.nonzero(keep)[0]))
         if not tables:
             return
-        pid = np.concatenate([t["pid"] for _, _, t, _, _ in tables])
-        tid = np.concatenate([t["tid"] for _, _, t, _, _ in tables])
-        start = np.concatenate([t["ts"] for _, _, t, _, _ in tables])
-        end = start + np.concatenate([t["dur"] for _, _, t, _, _ in tables])
-        name = np.concatenate([c for _, _, _, c, _ in tables])
-        fout = np.concatenate([f for _, _, _, _, f in tables])
-        src = np.concatenate([np.full(len(t), si) for _, si, t, _, _ in tables])
+        pid = np.concatenate([t["pid"] for _, _, t, _, _, _ in tables])
+        tid = np.concatenate([t["tid"] for _, _, t, _, _, _ in tables])
+        start = np.concatenate([t["ts"] for _, _, t, _, _, _ in tables])
+        end = start + np.concatenate([t["dur"] for _, _, t, _, _, _ in tables])
+        name = np.concatenate([c for _, _, _, c, _, _ in tables])
+        fout = np.concatenate([f for _, _, _, _, f, _ in tables])
+        row = np.concatenate([r for _, _, _, _, _, r in tables])
+        src = np.concatenate([np.full(len(t), si) for _, si, t, _, _, _ in tables])
         tnames = _thread_names(rt)
         for p, t in sorted(set(zip(pid.tolist(), tid.tolist()))):
             idx = np.nonzero((pid == p) & (tid == t))[0]
@@ -144,10 +149,11 @@ class _Builder:
             o = idx[ns.order]
             label = tnames.get((p, t)) or f"thread {t}"
             uuid = self.track(rt.rank, label + (f" (pid {p})" if len(process) > 1 else ""), "host")
+            self.tracks[-1].thread = (p, t)
             for si, s in enumerate(HOST_SOURCES):
                 m = src[o] == si
                 if m.any():
-                    self.add(uuid, ns.start[m], ns.end[m], name[o][m], ns.depth[m], s, fout=fout[o][m])
+                    self.add(uuid, ns.start[m], ns.end[m], name[o][m], ns.depth[m], s, fout=fout[o][m], row=row[o][m])
 
     def gpu(self, rt: RankTrace, flows: dict[str, np.ndarray]) -> None:
         rows = []
@@ -164,6 +170,7 @@ class _Builder:
         end = start + np.concatenate([t["dur"] for _, t, _, _ in rows])
         name = np.concatenate([c for _, _, c, _ in rows])
         fin = np.concatenate([f for _, _, _, f in rows])
+        row = np.concatenate([np.arange(len(t)) for _, t, _, _ in rows])
         src = np.concatenate([np.full(len(t), i) for i, (_, t, _, _) in enumerate(rows)])
         for d, s in sorted(set(zip(dev.tolist(), stream.tolist()))):
             idx = np.nonzero((dev == d) & (stream == s))[0]
@@ -177,10 +184,11 @@ class _Builder:
                     mm = m & (src[o] == si)
                     if mm.any():
                         self.add(uuid, start[o][mm], end[o][mm], name[o][mm], np.zeros(int(mm.sum())), sname,
-                                 fin=fin[o][mm])
+                                 fin=fin[o][mm], row=row[o][mm])
         a = rt.annotations
         if len(a) and a["gpu"].any():
             g = a.take(a["gpu"])
+            grow = np.nonzero(a["gpu"])[0]
             names = g.strings("name")
             code = self.codes(names.labels, names.codes)
             for p, t in sorted(set(zip(g["pid"].tolist(), g["tid"].tolist()))):
@@ -188,7 +196,7 @@ class _Builder:
                 ns = nest(g["ts"][m], g["ts"][m] + g["dur"][m])
                 self.clipped += ns.repaired
                 uuid = self.track(rt.rank, f"GPU {p} stream {t} annotations", "gpu_annotation")
-                self.add(uuid, ns.start, ns.end, code[m][ns.order], ns.depth, "gpu_annotations")
+                self.add(uuid, ns.start, ns.end, code[m][ns.order], ns.depth, "gpu_annotations", row=grow[m][ns.order])
 
     def native(self, rt: RankTrace) -> None:
         """A track per traced library (and thread) of the ``calls`` table, and one per thread of
@@ -294,7 +302,7 @@ class _Builder:
     def result(self) -> Timeline:
         p = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in self.parts.items()}
         return Timeline(self.tracks, self.counters, list(self.names), p["start"], p["end"], p["track"], p["name"],
-                        p["depth"], p["source"], p["fout"], p["fin"], self.clipped, SOURCES)
+                        p["depth"], p["source"], p["fout"], p["fin"], p["row"], self.clipped, SOURCES)
 
 
 def _call_label(symbol: str, args_json: str) -> str:

@@ -1,6 +1,9 @@
 """Terminal report: renders a report dict (schema aiprof.report/2) with rich. Computes nothing."""
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 from typing import IO
 
 from rich.console import Console
@@ -11,6 +14,31 @@ from aiprof.report.serving_text import render_serving
 from aiprof.report.termtext import safe
 
 _MAX_RANK_DETAIL = 8  # beyond this many ranks, steps tables give way to one row per rank
+# A pipe or a file has no width: wide enough that the widest table (counters, 12 columns) keeps
+# its rows on one line, and the same on every machine so saved reports diff cleanly.
+PIPED_WIDTH = 140
+DIFF_PIPED_WIDTH = 160  # the diff's table carries a host-stack column on top
+MIN_WIDTH = 40  # narrower than this, rich squeezes every cell to a letter: wrap instead
+
+
+def output_width(file: IO[str] | None = None, piped: int = PIPED_WIDTH) -> int:
+    """Columns to render for: on stdout, $COLUMNS if set, else the terminal's width, else ``piped``;
+    an explicit ``file`` (report.txt) gets ``piped`` unless it is itself a terminal."""
+    out = sys.stdout if file is None else file
+    if file is None:
+        try:
+            cols = int(os.environ.get("COLUMNS", ""))
+            if cols > 0:
+                return max(cols, MIN_WIDTH)
+        except ValueError:
+            pass
+    try:
+        tty = out.isatty()
+    except (AttributeError, ValueError):  # StringIO without isatty, a closed stream
+        tty = False
+    if not tty:
+        return piped
+    return max(shutil.get_terminal_size((piped, 24)).columns, MIN_WIDTH)
 
 
 def _console(file: IO[str] | None, width: int) -> Console:
@@ -160,7 +188,7 @@ def _steps_of(report: dict, item: dict) -> int:
 def render(report: dict, file: IO[str] | None = None, width: int | None = None) -> None:
     """Write the human-readable report to ``file`` (stdout by default)."""
     report = safe(report)  # names from the trace: control characters shown as escapes
-    console = _console(file, width or 140)
+    console = _console(file, width or output_width(file))
     cap = report["capture"]
     console.print(Text(f"aiprof report · {len(cap['ranks_found'])} rank(s) of world size {cap['world_size']}",
                        style="bold"))
@@ -360,7 +388,7 @@ def render_diagnosis(console: Console, rank: dict) -> None:
 def render_diff(diff: dict, file: IO[str] | None = None, width: int | None = None) -> None:
     """Render a step diff (schema aiprof.diff/1)."""
     diff = safe(diff)
-    console = _console(file, width or 160)
+    console = _console(file, width or output_width(file, DIFF_PIPED_WIDTH))
     b, c = diff["base"], diff["compare"]
     same = b["source"] == c["source"]
     lab = (lambda d: f"step {d['step']}") if same else (lambda d: f"{d['source']} step {d['step']}")

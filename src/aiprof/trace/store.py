@@ -44,7 +44,7 @@ STORE_VERSION = 5  # bump when ingest output changes: old stores are re-ingested
 # durations; 4: the agent's meta.json beside the trace, for the unprofiled step time; 5: pm, calls, syscalls)
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
-PROGRESS_MIN_BYTES = 32 << 20  # smaller inputs ingest in about a second: no bar
+PROGRESS_MIN_BYTES = 32 << 20  # less JSON than this ingests in about a second: no bar
 _RANK_IN_NAME = re.compile(r"rank[_\-]?(\d+)", re.IGNORECASE)
 # torch.profiler.tensorboard_trace_handler names each file f"{worker_name}.{time.time_ns()}.pt.trace.json"
 # (+ ".gz"); worker_name defaults to f"{hostname}_{pid}". A hostname may hold dots, so the stamp
@@ -337,6 +337,10 @@ def _trace_meta(path: str, raw: dict, tables: dict[str, Table]) -> dict:
     of its own gets ``rank`` None (``rank_from`` "order"): its number is its place among the
     files opened together (:func:`_with_rank`), which is no property of the file to cache."""
     _check_meta(path, raw)
+    exported = raw.get("aiprof") if isinstance(raw.get("aiprof"), dict) else {}
+    if len(exported.get("ranks") or []) > 1:  # one Kineto file is one rank: these would merge into one
+        raise TraceError(path, f"an `aiprof export` of {len(exported['ranks'])} ranks in one file reads back as "
+                               "one rank: analyse the capture it came from, or export each rank (--rank R)")
     dist = raw.get("distributedInfo") or {}
     rank = dist.get("rank")
     rank_from = "distributedInfo"
@@ -446,21 +450,47 @@ def _write_store(store: str, tables: dict[str, Table], meta: dict) -> str:
     return store
 
 
+def json_bytes(path: str) -> int:
+    """How much JSON a trace file holds, which is what ingest time follows: the file's size, or for
+    a .gz its ISIZE trailer (the last 4 bytes: the uncompressed length mod 2**32, read without
+    decompressing). The modulus makes a trace of over 4 GiB read as less, and a multi-member gzip
+    gives its last member's length; the larger of that and the file's size is kept, so a wrong
+    trailer never makes a file count as smaller than it is on disk."""
+    size = os.path.getsize(path)
+    if not path.endswith(".gz") or size < 18:  # 10-byte header + 8-byte trailer
+        return size
+    try:
+        with open(path, "rb") as f:
+            f.seek(-4, os.SEEK_END)
+            isize = int.from_bytes(f.read(4), "little")
+    except OSError:
+        return size
+    return max(size, isize)
+
+
+def progress_wanted(files: list[str]) -> bool:
+    """Whether to draw progress on stderr: $AIPROF_PROGRESS=always|never, else when stderr is a
+    terminal and the traces hold more than PROGRESS_MIN_BYTES of JSON."""
+    mode = os.environ.get("AIPROF_PROGRESS", "auto")
+    if mode in ("always", "never"):
+        return mode == "always"
+    return sys.stderr.isatty() and sum(json_bytes(f) for f in files) > PROGRESS_MIN_BYTES
+
+
 def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progress: Optional[bool] = None,
                  capture: Optional[int] = None) -> Capture:
     """Open trace files and/or capture directories as one :class:`Capture` (of several captures
     of one process, the newest or the ``capture``-th: :func:`find_trace_files`).
 
-    A progress bar is shown on stderr for large inputs when stderr is a terminal
+    A progress bar is shown on stderr for large inputs (by JSON size: :func:`progress_wanted`)
     (``show_progress`` forces it on or off; so does $AIPROF_PROGRESS=always|never).
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [str(paths)]
     files = find_trace_files(paths, capture)
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(os.path.getsize(f) for f in files)  # the bar counts bytes read from disk
     if show_progress is None:
-        mode = os.environ.get("AIPROF_PROGRESS", "auto")
-        show_progress = mode == "always" or (mode == "auto" and sys.stderr.isatty() and total > PROGRESS_MIN_BYTES)
+        show_progress = progress_wanted(files)
     ranks: list[RankTrace] = []
     if show_progress:
         from rich.console import Console
