@@ -3,7 +3,7 @@
 The library is usable without the CLI::
 
     from aiprof.trace.store import open_capture
-    from aiprof.analysis.report import build_report
+    from aiprof.pipeline import build_report
 
     cap = open_capture("trace.json.gz")
     report = build_report(cap)

@@ -9,7 +9,7 @@ import resource
 import sys
 import time
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.report import json_report, text
 from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture

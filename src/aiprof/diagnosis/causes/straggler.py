@@ -17,6 +17,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import (
     EXPOSED_COMM,
@@ -167,3 +168,18 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
             continue
         out_c.append(c)
     return out_c, out_s
+
+
+def detect(job: JobFacts) -> list[Cause]:
+    return causes(job.facts, job.cross or {}, job.found, job.pricer)[0]
+
+
+def waiting(job: JobFacts) -> list[Symptom]:
+    """The WAITING_RANK symptoms of the ranks that wait for a straggler in hand."""
+    by_rank = {f.rank: f for f in job.facts}
+    return [w for ev in (job.cross or {}).get("stragglers", []) if ev["straggler_rank"] in by_rank
+            for w in _waiting_symptoms(ev, by_rank)]
+
+
+DETECTOR = Detector(CODE, Scope.CROSS_RANK, reads=("facts", "pricer", "cross", "found"), detect=detect,
+                    symptoms=waiting)
