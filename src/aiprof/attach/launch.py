@@ -16,7 +16,7 @@ import tempfile
 from typing import Any
 
 import aiprof
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 from aiprof.errors import AiprofError
 
 

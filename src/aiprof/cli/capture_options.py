@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from aiprof.agent.config import (DEFAULT_HW_PM_INTERVAL_US, WHAT_LEVELS, CaptureRequest, RequestError,
+from aiprof.protocol import (DEFAULT_HW_PM_INTERVAL_US, WHAT_LEVELS, CaptureRequest, RequestError,
                                  new_capture_id)
 from aiprof.errors import UsageError
 

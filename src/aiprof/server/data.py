@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from aiprof.agent.pmsampling import COLUMN_UNITS
+from aiprof.protocol import COLUMN_UNITS
 from aiprof.analysis.counters import counter_analysis, load_pm
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps

@@ -7,7 +7,7 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aiprof.agent.config import RequestError
+from aiprof.protocol import RequestError
 from aiprof.server.store import BadName
 
 MAX_JSON = 1 << 20  # request bodies other than uploads

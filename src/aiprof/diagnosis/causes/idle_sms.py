@@ -42,7 +42,7 @@ from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import LAUNCH
 from aiprof.diagnosis.replay import Edit
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import MIN_REPORTED_SHARE, SLOW_KERNELS, Cause, Claim, Place
 from aiprof.trace.classify import COMPUTE
 

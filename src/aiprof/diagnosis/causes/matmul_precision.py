@@ -14,7 +14,7 @@ from aiprof.analysis.kernels import is_matmul_kernel, is_tensor_core_kernel
 from aiprof.diagnosis.causes.common import ms
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import SLOW_KERNELS, Cause, Claim, Place
 
 CODE = "MATMUL_OFF_TENSOR_CORES"

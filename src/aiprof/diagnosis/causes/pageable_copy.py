@@ -14,7 +14,7 @@ from aiprof.analysis.hotspots import OP
 from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import EXPOSED_COPY, Cause, Claim, Place
 from aiprof.trace import classify
 

@@ -15,7 +15,7 @@ ranks on one host, the best bus bandwidth of the large collectives stays under
 a single rank's kernel durations include its waits and prove nothing about the link.
 
 Fix priced on every rank at once by the joint replay: every matched collective's transfer at the
-device's NVLink bus bandwidth (``diagnosis/hardware.py``) plus NCCL's intra-node latency.
+device's NVLink bus bandwidth (``aiprof/hardware.py``) plus NCCL's intra-node latency.
 
 One rank alone (:func:`detect_rank`, a capture of some ranks only) has no transfer times, but
 its GPU's PM counters say where the bytes went: a link the collectives use carries their bytes
@@ -33,7 +33,7 @@ from aiprof.analysis.comm import BUSBW_FACTOR, DTYPE_BYTES, PCIE_GEN5_X16_GBPS
 from aiprof.diagnosis.causes.common import ms, transfer_edits
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Cause, Claim, Place
 
 CODE = "SLOW_INTERCONNECT"
