@@ -5,8 +5,8 @@ both engines (scale.build_job_report on this process's engine and on a real loca
 The stages are the same functions everywhere (aiprof.pipeline); what may differ is how a cause
 is priced on a job of more than two ranks: in process by the joint replay of every rank, rank by
 rank by the joint replay of the rank and its partner (docs/scale.md). With one or two ranks the
-pair is the job, so the reports are the same; with more, the same ranks, comparison, symptoms
-and causes, and savings within PAIR_PRICING_REL of the joint replay's.
+pair is the job, so the reports are the same; with more, the same ranks, comparison, symptoms,
+baseline and causes, and savings within PAIR_PRICING_REL of the joint replay's.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ pytest.importorskip("ray")
 CPUS = 2  # CI has two cores
 # Floats computed by the same code in another process (Ray) or order can differ in the last bits.
 FLOAT_REL = 1e-9
-# With more than two ranks a cause is priced on its rank and its partner, not on every rank: on
-# ddp4 the straggler's saving is within a tenth of the joint replay's (tests/scale/test_pipeline.py).
-PAIR_PRICING_REL = 0.1
+# With more than two ranks a cause is priced on its rank and its partner, not on every rank.
+# Measured: ddp4_hw identical; ddp4_slow2 LAUNCH_BOUND 1005.0 against 1005.8 µs per step (0.08 %),
+# STRAGGLER 0.005 % apart. A tenth of a percent would sit at the edge of what was seen.
+PAIR_PRICING_REL = 0.01
 # Not Kineto traces: raw CUPTI PM samples (tests/data/README.md)
 NOT_TRACES = ("pm",)
 _RANK_FILE = re.compile(r"^(.*)_rank\d+\.json\.gz$")
@@ -104,10 +105,8 @@ def test_every_engine_gives_the_in_process_report(name, ray_engine, tmp_path):
     if len(files) <= 2:  # the pair is the job
         _same(here, want)
         return
-    for part in ("capture", "ranks", "cross_rank", "symptoms"):
-        _same(here[part], want[part], part) if part != "symptoms" else \
-            _same([(s["code"], s["rank"], s["us"]) for s in here[part]],
-                  [(s["code"], s["rank"], s["us"]) for s in want[part]], part)
+    for part in ("capture", "ranks", "cross_rank", "symptoms", "baseline"):
+        _same(here[part], want[part], part)
     assert [_key(c) for c in here["causes"]] == [_key(c) for c in want["causes"]]
     for g, w in zip(here["causes"], want["causes"]):
         assert g["saving"]["share"] == pytest.approx(w["saving"]["share"], rel=PAIR_PRICING_REL), _key(w)
