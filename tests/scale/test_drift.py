@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from aiprof.diagnosis.causes import EXPERIMENTAL_ENV, comm_overlap
 from aiprof.pipeline import build_report
 from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report
@@ -122,3 +123,16 @@ def test_sockets_rank_gives_slow_interconnect_everywhere(ray_engine, tmp_path):
         top = r["causes"][0]
         assert (top["code"], top["rank"]) == ("SLOW_INTERCONNECT", 0)
         assert top["saving"]["share"] == pytest.approx(0.521, abs=0.001)
+
+
+def test_experimental_job_causes_run_on_every_engine(ray_engine, tmp_path, monkeypatch):
+    """An experimental job cause asked for in the driver's environment runs in the workers too
+    (the engines never ran the job detectors outside grad_accum and slow_interconnect before):
+    ddp_overlap_fault gives EXPOSED_BUCKET_COMM first, the same report everywhere."""
+    monkeypatch.setenv(EXPERIMENTAL_ENV, comm_overlap.CODE)
+    files = _copy(CAPTURES["diagnosis/ddp_overlap_fault"], tmp_path)
+    want = build_report(open_capture(files))
+    assert want["causes"][0]["code"] == comm_overlap.CODE
+    with engines.SerialEngine() as serial:
+        _same(build_job_report(files, serial), want)
+    _same(build_job_report(files, ray_engine), want)

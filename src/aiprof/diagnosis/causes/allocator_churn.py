@@ -87,4 +87,5 @@ def detect(f: RankFacts) -> list[Cause]:
         edit=e, region=region, claims=idle_claim(f, region))]
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "steps", "tree"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "steps", "tree"), detect=detect,
+                    acts_on=("host: cuda runtime", "host: cuda sync"))

@@ -110,4 +110,5 @@ def detect(f: RankFacts) -> list[Cause]:
         edit=e, region=region, claims=claims)]
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("gaps", "has_gpu", "steps", "tree"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("gaps", "has_gpu", "steps", "tree"), detect=detect,
+                    acts_on=("host: data loading",))

@@ -90,4 +90,5 @@ def detect(f: RankFacts) -> list[Cause]:
     return out
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("has_gpu", "recorded_step_ns", "steps", "tree"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("has_gpu", "recorded_step_ns", "steps", "tree"), detect=detect,
+                    acts_on=("host: python", "host: no traced event"))

@@ -153,4 +153,5 @@ def detect(f: RankFacts) -> list[Cause]:
     return out
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("host: cuda sync",))

@@ -94,4 +94,5 @@ def detect(f: RankFacts) -> list[Cause]:
         edit=e, claims=claims)]
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "has_gpu", "steps", "tree"), detect=detect, generic=True)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "has_gpu", "steps", "tree"), detect=detect, generic=True,
+                    acts_on=("host: op dispatch", "host: cuda runtime", "host: python"))

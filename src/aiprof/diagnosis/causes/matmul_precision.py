@@ -57,4 +57,5 @@ def detect(f: RankFacts) -> list[Cause]:
         edit=e, claims=[Claim(SLOW_KERNELS, f.rank, slow_ns / 1e3 * (1 - ratio))])]
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "kernels", "rt", "steps"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "kernels", "rt", "steps"), detect=detect,
+                    acts_on=("gpu: compute",))

@@ -82,4 +82,5 @@ def detect(f: RankFacts) -> list[Cause]:
         edit=e, region=region, claims=[Claim(EXPOSED_COPY, f.rank, t / 1e3)] + idle_claim(f, region))]
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("gpu: memory ops", "host: cuda runtime"))

@@ -185,4 +185,5 @@ def detect(f: RankFacts) -> list[Cause]:
         edit=e, region=region, claims=idle_claim(f, region))]
 
 
-DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect)
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("host: op dispatch", "host: cuda runtime"))
