@@ -59,7 +59,7 @@ import torch
 from aiprof.agent.bootstrap import ensure_agent
 from aiprof.agent import offstop
 from aiprof.agent.capture import OFFSTOP_ENV
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 from aiprof.agent.traceout import CUPTI_FIRST_ENV, FORK_ENV
 
 MAX_EXTRA_STEPS = 2000  # steps run after --after while waiting for an export to finish

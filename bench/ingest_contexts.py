@@ -32,7 +32,7 @@ import json, time
 with open({marker!r}, "a") as _m:
     _m.write("top level ran\\n")
 from aiprof.trace.store import open_capture
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 
 t0 = time.perf_counter()
 cap = open_capture([{trace!r}])

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from aiprof.agent.bootstrap import ensure_agent  # noqa: E402
-from aiprof.agent.config import CaptureRequest  # noqa: E402
+from aiprof.protocol import CaptureRequest  # noqa: E402
 from aiprof.agent.control import ControlServer  # noqa: E402
 
 LEVELS = {  # name -> (aiprof --what, torch.profiler kwargs)

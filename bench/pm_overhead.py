@@ -49,7 +49,7 @@ CHILD_TIMEOUT_S = 180.0
 def _capture(mode: str, args, step, device: str, out: str) -> dict:
     """Time steps inside one agent capture; return the step times kept and what the capture says."""
     from aiprof.agent.bootstrap import ensure_agent
-    from aiprof.agent.config import CaptureRequest
+    from aiprof.protocol import CaptureRequest
     from overhead import timed
 
     agent = ensure_agent("pm-overhead", tempfile.mkdtemp(prefix="aiprof-pmovh-rt-"))

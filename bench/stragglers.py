@@ -19,7 +19,7 @@ CASES = {"ddp2_slow1": (1, sorted(DATA.glob("ddp2_slow1_rank*.json.gz"))),
 
 
 def _aiprof(d: str) -> str:
-    from aiprof.analysis.report import build_report
+    from aiprof.pipeline import build_report
     from aiprof.trace.store import open_capture
 
     f = [x for x in build_report(open_capture(d))["findings"] if x["code"] == "STRAGGLER_RANK"]

@@ -120,7 +120,7 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     from aiprof.analysis import timeline
-    from aiprof.analysis.report import build_report
+    from aiprof.pipeline import build_report
     from aiprof.server.app import static_built
     from aiprof.server.data import CaptureData
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.trace.store import open_capture
 
 RATIO_TARGET = 1.5

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from aiprof.agent.config import CaptureRequest, RequestError
+from aiprof.protocol import CaptureRequest, RequestError
 from aiprof.agent.hwmon import HwSampler, pm_refused
 from aiprof.agent.pmsampling import PmSampler, PmUnavailable
 

@@ -14,7 +14,7 @@ import pytest
 from aiprof.agent.hwmon import write_pm_csv
 from aiprof.agent.pmsampling import PmSamples
 from aiprof.analysis.counters import IDLE_SM_PCT, counter_analysis, load_pm
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.export.timeline import build_timeline
 from aiprof.report.text import render
 from aiprof.trace.store import open_capture

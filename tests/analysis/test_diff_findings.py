@@ -6,7 +6,7 @@ import json
 import pytest
 
 from aiprof.analysis.diff import diff_captures, diff_steps
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.cli.main import main as cli_main
 from aiprof.trace.store import open_capture
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from aiprof.analysis import ranks as rk
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.trace.store import RankTrace, open_capture
 from aiprof.trace.table import Strings, Table
 

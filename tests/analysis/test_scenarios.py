@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.trace.store import open_capture
 
 SCEN = Path(__file__).resolve().parents[1] / "data" / "scenarios"

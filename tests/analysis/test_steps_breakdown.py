@@ -13,7 +13,7 @@ import pytest
 
 from aiprof.analysis.breakdown import step_breakdown
 from aiprof.analysis.intervals import union
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.analysis.steps import find_steps
 from aiprof.report import text
 from aiprof.trace.store import open_capture

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 import aiprof
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.api import PANDAS_MISSING, Frame
 from tests.api.conftest import ROOT
 

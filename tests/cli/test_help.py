@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from aiprof.agent.config import NATIVE_LEVELS, WHAT_LEVELS
+from aiprof.protocol import NATIVE_LEVELS, WHAT_LEVELS
 from aiprof.cli.main import build_parser
 
 _DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)

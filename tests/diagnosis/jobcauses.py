@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 
 
 def report_and_job_causes(module: ModuleType, cap, monkeypatch) -> tuple[dict, list]:
@@ -12,8 +12,8 @@ def report_and_job_causes(module: ModuleType, cap, monkeypatch) -> tuple[dict, l
     got: list = []
     orig = module.detect_job
 
-    def keep(facts, pricer, columns):
-        out = orig(facts, pricer, columns)
+    def keep(*args):
+        out = orig(*args)
         got.extend(out)
         return out
     monkeypatch.setattr(module, "detect_job", keep)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.trace.store import open_capture
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "diagnosis"

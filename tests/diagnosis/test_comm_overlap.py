@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.diagnosis.causes import EXPERIMENTAL_ENV, comm_overlap
 from aiprof.trace.store import open_capture
 from tests.conftest import DATA
@@ -130,10 +130,10 @@ def test_every_ddp_bucket_is_launched_from_a_gradient_hook(copies, monkeypatch):
     seen = {}
     orig = comm_overlap.detect_job
 
-    def keep(facts, pricer, columns):
+    def keep(facts, *args):
         for f in facts:
             seen[f.rank] = (len(comm_overlap._rank_collectives(f)), int((f.graph.o_coll >= 0).sum()))
-        return orig(facts, pricer, columns)
+        return orig(facts, *args)
     monkeypatch.setattr(comm_overlap, "detect_job", keep)
     monkeypatch.setenv(EXPERIMENTAL_ENV, comm_overlap.CODE)
     build_report(open_capture([str(copies / n) for n in DDP2]))

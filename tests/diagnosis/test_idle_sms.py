@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from aiprof.analysis.kernels import kernel_family
-from aiprof.analysis.report import _analyse_rank, build_report
+from aiprof.pipeline import analyse_rank as _analyse_rank, build_report
 from aiprof.diagnosis.causes import idle_sms
 from aiprof.trace.store import open_capture
 

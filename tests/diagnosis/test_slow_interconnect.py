@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from aiprof.analysis.ranks import align_and_arrivals, rank_collectives
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.diagnosis.causes import slow_interconnect
 from aiprof.trace.store import open_capture
 from tests.conftest import DATA

@@ -193,7 +193,7 @@ def every_entry_point(cap) -> dict:
     """Run what the CLI verbs and the UI run over a capture (report as text and JSON, the UI's
     timeline, the Chrome export, the flame graphs); return the report."""
     from aiprof.analysis import timeline
-    from aiprof.analysis.report import build_report
+    from aiprof.pipeline import build_report
     from aiprof.analysis.steps import window as steps_window
     from aiprof.export import chrome
     from aiprof.export.marks import marks_from_report

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.trace.builder import TABLES, empty_table
 from aiprof.trace.store import Capture, RankTrace, open_capture
 from tests.conftest import DATA

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report
 from aiprof.server.app import static_built

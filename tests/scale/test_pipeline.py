@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.diagnosis import job
 from aiprof.diagnosis.graph import RankCollectives
 from aiprof.errors import AiprofError, TraceError, UsageError

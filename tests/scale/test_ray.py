@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.errors import AiprofError
 from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture
 from tests.deps import need

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from aiprof.analysis.breakdown import step_breakdown
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.analysis.serving import serving_analysis
 from aiprof.analysis.steps import find_steps
 from aiprof.report import text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiprof.analysis.report import _analyse_rank, build_report
+from aiprof.pipeline import analyse_rank as _analyse_rank, build_report
 from aiprof.diagnosis.causes import host_sampling, kv_cache_copy
 from aiprof.diagnosis.replay import replay
 from aiprof.trace.store import open_capture

@@ -171,7 +171,7 @@ class AutoTrigger:
         dec = slowdown(list(tr.durations), self.cfg)
         if dec is None:
             return
-        from aiprof.agent.config import CaptureRequest
+        from aiprof.protocol import CaptureRequest
 
         dec.update(at_step=tr.count, unix_ns=time.time_ns(), auto_capture=self.captures + 1)
         req = CaptureRequest(out=self.cfg.out, what=self.cfg.what, iterations=self.cfg.capture_iterations,
@@ -223,7 +223,7 @@ class AutoTrigger:
     def write_snapshot(self, stacks: list[dict], why: dict) -> str:
         """Write <out>/<id>/rank<r>/stacks.json (aiprof hang --from reads it) and meta.json."""
         from aiprof.agent.capture import rank_info
-        from aiprof.agent.config import new_capture_id
+        from aiprof.protocol import new_capture_id
 
         ri = rank_info()
         d = os.path.join(self.cfg.out, "snap-" + new_capture_id(), f"rank{ri['rank']}")

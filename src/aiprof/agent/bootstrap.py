@@ -19,7 +19,7 @@ from typing import Any
 
 from aiprof.agent import log
 from aiprof.agent.capture import CaptureDriver
-from aiprof.agent.config import CaptureRequest, runtime_dir
+from aiprof.protocol import CaptureRequest, runtime_dir
 from aiprof.agent.control import ControlServer
 from aiprof.agent.steps import EntryUnavailable, StepTracker
 

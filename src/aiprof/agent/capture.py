@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable
 
 from aiprof.agent import cupti_teardown, log, offstop, profguard
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
 CLOCK_MARKER = "aiprof::clock_sync"

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiprof.agent import log
-from aiprof.agent.config import CaptureRequest, runtime_dir
 from aiprof.agent.privdir import UnsafePath, check_private_dir, ensure_private_dir
+from aiprof.protocol import CaptureRequest, runtime_dir
 
 MAX_LINE = 1 << 20
 IDLE_POLL_S = 1.0

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from aiprof.agent import cbuild
+from aiprof.protocol import COLUMN_UNITS, ROLES  # noqa: F401 (COLUMN_UNITS: for readers of pm.csv.gz)
 
 #: Default sample period: the issue's 100 µs (10 kHz), fine enough for a 2 ms all-reduce.
 DEFAULT_INTERVAL_US = 100
@@ -54,36 +55,6 @@ SKIP_ENV = "AIPROF_PM_SKIP"
 #: Bound on every wait for the C side (stop joins the decode thread).
 STOP_TIMEOUT_S = 5.0
 
-# role -> (column, unit, candidate CUPTI metric names, best first). Columns carry their unit;
-# "_pct" columns are 0-100 of the unit's peak over the sample window. A candidate that counts
-# events in the window (``is_count``: bytes, sectors, cycles) becomes the column's unit per
-# second: times SCALE, divided by the window's length when the samples are written
-# (agent/hwmon.py). GH100 names read off the chip's PM-sampling metric list (bench/pm_probe.py
-# writes it): byte counters there take no ".per_second" rollup, so bytes are counted and turned
-# into rates here.
-ROLES: list[tuple[str, str, list[str]]] = [
-    ("pm_sm_active_pct", "%", ["sm__cycles_active.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_sm_issue_pct", "%", ["sm__inst_executed_realtime.avg.pct_of_peak_sustained_elapsed",
-                              "sm__inst_executed.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_tensor_active_pct", "%", ["sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
-                                   "sm__pipe_tensor_op_hmma_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
-                                   "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_dram_read_Bps", "B/s", ["dram__bytes_read.sum", "dramc__sectors_op_read.sum"]),
-    ("pm_dram_write_Bps", "B/s", ["dram__bytes_write.sum", "dramc__sectors_op_write.sum"]),
-    ("pm_nvlink_tx_Bps", "B/s", ["nvltx__bytes.sum"]),
-    ("pm_nvlink_rx_Bps", "B/s", ["nvlrx__bytes.sum"]),
-    ("pm_pcie_read_Bps", "B/s", ["pcie__read_bytes.sum"]),
-    ("pm_pcie_write_Bps", "B/s", ["pcie__write_bytes.sum"]),
-    ("pm_l2_Bps", "B/s", ["lts__t_bytes.sum", "lts__t_sectors.sum"]),
-    ("pm_dram_pct", "%", ["dram__throughput.avg.pct_of_peak_sustained_elapsed",
-                          "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-                          "dramc__throughput.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_l2_pct", "%", ["lts__throughput.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_warps_active_pct", "%", ["sm__warps_active_realtime.avg.pct_of_peak_sustained_elapsed",
-                                  "sm__warps_active.avg.pct_of_peak_sustained_elapsed"]),
-    ("pm_gpc_clock_hz", "Hz", ["gpc__cycles_elapsed.max", "gpc__cycles_elapsed.avg"]),
-]
-COLUMN_UNITS = {col: unit for col, unit, _ in ROLES}
 #: Counts that are not bytes -> bytes per event (an L2/DRAM sector is 32 bytes).
 SCALE = {"dramc__sectors_op_read.sum": 32.0, "dramc__sectors_op_write.sum": 32.0, "lts__t_sectors.sum": 32.0}
 

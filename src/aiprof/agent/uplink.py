@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from aiprof.agent import log, outbox
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 
 CALL_TIMEOUT_S = 5.0
 UPLOAD_TIMEOUT_S = 120.0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aiprof.diagnosis.hardware import device as device_spec
+from aiprof.hardware import device as device_spec
 from aiprof.trace.pmclock import alignment_check
 from aiprof.trace.store import RankTrace
 

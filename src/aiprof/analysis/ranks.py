@@ -539,7 +539,7 @@ def step_matrix(reports: list) -> dict:
     return out
 
 
-def _diff_evidence(base: RankTrace, slow: RankTrace) -> dict:
+def diff_evidence(base: RankTrace, slow: RankTrace) -> dict:
     """What the slow rank's median step does more than the base rank's median step."""
     d = diff_captures(base, slow, top=10_000)
     kern = [i for i in d.items if i.kind in ("kernel", "memop") and i.delta_us > 0]
@@ -566,7 +566,7 @@ def cross_rank(cap: Capture, reports: list, diff: bool = True, columns: dict | N
     ``columns`` receives the collective matching (see :func:`align_and_arrivals`) and each rank's
     :class:`RankCollectives` under ``"collectives"``."""
     colls = [rank_collectives(rt) for rt in cap.ranks]
-    differs = (lambda base, slow: _diff_evidence(cap.rank(base), cap.rank(slow))) if diff else None
+    differs = (lambda base, slow: diff_evidence(cap.rank(base), cap.rank(slow))) if diff else None
     return cross_rank_of([rt.rank for rt in cap.ranks], {rt.rank: rank_host(rt) for rt in cap.ranks},
                          cap.world_size, colls, reports, differs, columns)
 

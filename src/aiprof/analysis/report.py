@@ -1,7 +1,9 @@
-"""Build the report: every analysis run over a capture, as plain data (schema aiprof.report/2).
+"""A rank's section of the report: every analysis run over one rank, as plain data (schema
+aiprof.report/2), and the analyses the diagnosis builds its facts from.
 
-Reporters (text, JSON, HTML) render this and compute nothing. The schema is documented in
-docs/report.md.
+The report as a whole (sections, cross-rank comparison, causes) is assembled by
+aiprof.pipeline; reporters (text, JSON, HTML) render it and compute nothing. The schema is
+documented in docs/report.md.
 """
 from __future__ import annotations
 
@@ -9,14 +11,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from aiprof import __version__, npx
+from aiprof import npx
+from aiprof.analysis.comm import CommAnalysis
 from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
 from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
-from aiprof.analysis.hotspots import gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
-from aiprof.analysis.counters import counter_analysis
+from aiprof.analysis.hotspots import Gaps, HostTree, gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
+from aiprof.analysis.counters import CounterAnalysis, counter_analysis
 from aiprof.analysis.kernels import (
+    KernelAnalysis,
     KernelStat,
     kernel_analysis,
     kernel_stats,
@@ -24,15 +28,11 @@ from aiprof.analysis.kernels import (
 )
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.native import native_dict
-from aiprof.analysis.ranks import cross_rank
-from aiprof.analysis.runtime import runtime_analysis
-from aiprof.analysis.serving import serving_analysis
+from aiprof.analysis.runtime import RuntimeAnalysis, runtime_analysis
+from aiprof.analysis.serving import ServingAnalysis, serving_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
-from aiprof.diagnosis import engine as diag_engine
-from aiprof.diagnosis.facts import RankFacts
 from aiprof.analysis.timeseries import gpu_activity, memop_distribution
-from aiprof.diagnosis.graph import RankCollectives
-from aiprof.trace.store import Capture, RankTrace
+from aiprof.trace.store import RankTrace
 
 SCHEMA = "aiprof.report/2"
 _SUM_FIELDS = ("duration_us", "compute_us", "communication_us", "memory_us", "idle_us",
@@ -107,10 +107,25 @@ def _step_of(steps: Steps):
     return f
 
 
-def _analyse_rank(rt: RankTrace, entry: str | None, top: int, colls: RankCollectives | None = None,
-                  offset_ns: float = 0.0) -> tuple[RankReport, RankFacts]:
-    """One rank's report and its diagnosis facts (with ``colls``: coupled to the other ranks'
-    recorded arrivals, see diagnosis.engine.rank_facts)."""
+@dataclass
+class RankAnalyses:
+    """The analyses of one rank that the diagnosis builds its facts from (diagnosis.engine.rank_facts)."""
+
+    steps: Steps
+    breakdown: list[StepBreakdown]
+    tree: HostTree
+    gaps: Gaps
+    runtime: RuntimeAnalysis
+    kernels: KernelAnalysis
+    comm: CommAnalysis
+    has_gpu: bool
+    host_idle_by_class: dict  # analysis.hotspots classes: GPU-idle time per host class
+    serving: ServingAnalysis | None
+    counters: CounterAnalysis | None
+
+
+def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15) -> tuple[RankReport, RankAnalyses]:
+    """One rank's report section and the analyses its diagnosis reads."""
     steps = find_steps(rt, entry)
     lo, hi = window(rt)
     breakdown = step_breakdown(rt, steps)
@@ -147,11 +162,7 @@ def _analyse_rank(rt: RankTrace, entry: str | None, top: int, colls: RankCollect
         counters=asdict(hwc) if hwc else None,
         native=native_dict(rt, *( (int(steps.start.min()), int(steps.end.max())) if len(steps) else (None, None))),
     )
-    facts = diag_engine.rank_facts(rt, steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes,
-                                   colls=colls, offset_ns=offset_ns)
-    facts.extra["serving"] = sv  # the serving causes read the iterations' phases and batches
-    facts.counters = hwc
-    return rep, facts
+    return rep, RankAnalyses(steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes, sv, hwc)
 
 
 def _by_calls(t: dict) -> dict:
@@ -162,24 +173,4 @@ def _by_calls(t: dict) -> dict:
 
 def rank_report(rt: RankTrace, entry: str | None = None, top: int = 15) -> RankReport:
     """Analyse one rank."""
-    return _analyse_rank(rt, entry, top)[0]
-
-
-def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
-    """The full report of a capture as a JSON-ready dict."""
-    pairs = [_analyse_rank(rt, entry, top) for rt in cap.ranks]
-    ranks = [p[0] for p in pairs]
-    facts = [p[1] for p in pairs]
-    columns: dict = {}
-    cr = cross_rank(cap, ranks, columns=columns) if len(ranks) >= 2 else None
-    cross = asdict(cr) if cr is not None else None
-    return {
-        "schema": SCHEMA,
-        "generator": {"name": "aiprof", "version": __version__},
-        "capture": {"world_size": cap.world_size, "ranks_found": [r.rank for r in cap.ranks],
-                    "sources": [r.source for r in cap.ranks]},
-        "ranks": [asdict(r) for r in ranks],
-        "cross_rank": cross,
-        # causes (ranked by saving) explain symptoms; docs/findings.md
-        **diag_engine.diagnose(facts, cross, columns),
-    }
+    return rank_section(rt, entry, top)[0]

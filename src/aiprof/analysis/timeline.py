@@ -33,7 +33,7 @@ from aiprof.analysis.hotspots import (
 )
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import find_steps
-from aiprof.flame.nesting import nest
+from aiprof.analysis.nesting import nest
 from aiprof.trace.store import RankTrace
 
 SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps", "gpu_sync", "calls", "syscalls")

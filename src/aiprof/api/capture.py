@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from aiprof.analysis.kernels import kernel_stats
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.api.frame import Frame, arrow_rows, arrow_table
 from aiprof.api.report import Report, Step
 from aiprof.trace import store

@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 import aiprof
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 from aiprof.errors import AiprofError
 
 

@@ -14,21 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from typing import Any
 
-from aiprof.errors import AiprofError
 from aiprof.report.termtext import visible
-
-
-def find_py_spy() -> str:
-    """Path of the py-spy executable (PATH, or beside this interpreter); AiprofError if none."""
-    cand = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if cand and os.path.exists(cand):
-        return cand
-    raise AiprofError("py-spy not found: pip install py-spy (or pip install 'aiprof[agent]')")
+from aiprof.tools import find_py_spy
 
 
 def _frames(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:

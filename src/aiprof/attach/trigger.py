@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 from aiprof.agent.control import Endpoint, capture_all, discover, status
 from aiprof.errors import AiprofError
 

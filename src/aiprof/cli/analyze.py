@@ -9,10 +9,10 @@ import resource
 import sys
 import time
 
-from aiprof.analysis.report import build_report
 from aiprof.cli import gates
 from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import AiprofError
+from aiprof.pipeline import build_report
 from aiprof.report import json_report, text
 from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture, progress_wanted

@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiprof.agent.config import runtime_dir
+    from aiprof.protocol import runtime_dir
     from aiprof.attach.inject import inject_agent
     from aiprof.attach.procs import check_attachable, inspect_process, resolve_targets
     from aiprof.attach.trigger import find_agents, plan_requests

@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from aiprof.agent.config import (DEFAULT_DURATION_MS, DEFAULT_HW_PM_INTERVAL_US, DEFAULT_WHAT, NATIVE_LEVELS,
-                                 WHAT_LEVELS, CaptureRequest, RequestError, new_capture_id)
+from aiprof.protocol import (DEFAULT_DURATION_MS, DEFAULT_HW_PM_INTERVAL_US, DEFAULT_WHAT, NATIVE_LEVELS,
+                             WHAT_LEVELS, CaptureRequest, RequestError, new_capture_id)
 from aiprof.errors import UsageError
 
 

@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _marks(cap, args: argparse.Namespace):
     if args.no_findings:
         return None
-    from aiprof.analysis.report import build_report
+    from aiprof.pipeline import build_report
     from aiprof.export.marks import marks_from_report
 
     return marks_from_report(build_report(cap))

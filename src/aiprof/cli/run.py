@@ -14,7 +14,7 @@ from aiprof.cli.capture_options import add_capture_options, has_capture_options,
 from aiprof.cli.server_options import add_server_options, agent_server_config
 
 if TYPE_CHECKING:
-    from aiprof.agent.config import CaptureRequest
+    from aiprof.protocol import CaptureRequest
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -17,15 +17,10 @@ from aiprof.analysis.kernels import KernelAnalysis
 from aiprof.analysis.runtime import RuntimeAnalysis
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis import causes as registry
-from aiprof.diagnosis.causes import grad_accum, slow_interconnect, straggler
+from aiprof.diagnosis.detector import JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts, calibrate_host
 from aiprof.diagnosis.graph import RankCollectives, build_graph
-from aiprof.diagnosis.job import (
-    JOINT_MAX_RANKS,
-    attach_collectives,
-    job_step_ns,
-    joint_replay,
-)
+from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay
 from aiprof.diagnosis.model import (
     MIN_REPORTED_SHARE,
     SLOW_STEP,
@@ -149,26 +144,62 @@ class Pricer:
         }
 
 
-def diagnose_rank(f: RankFacts, pricer: Pricer | None = None) -> tuple[list[Cause], list[Symptom]]:
-    """Every cause detector on one rank, each cause priced; and the rank's symptoms."""
+def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = False,
+                  asked: frozenset[str] | None = None) -> tuple[list[Cause], list[Symptom]]:
+    """The registry's RANK detectors on one rank, and its UNCOUPLED ones when no collectives couple
+    the job (``coupled`` False), each cause priced; and the rank's symptoms. ``asked``: the
+    experimental codes to run (default: $AIPROF_EXPERIMENTAL_CAUSES)."""
     pricer = pricer or Pricer([f], False)
     found: list[Cause] = []
     claimed = np.zeros(len(f.tree), dtype=bool)
     # the host regions the causes found so far own (this array, growing): a GPU-side detector
     # leaves their kernels to the cause whose fix removes them
     f.extra["owned_nodes"] = claimed
-    for det in registry.RANK_DETECTORS:
-        generic = det in registry.GENERIC
-        if generic:
+    dets = registry.detectors(Scope.RANK, asked) + (() if coupled else registry.detectors(Scope.UNCOUPLED, asked))
+    for det in dets:
+        if det.generic:
             f.extra["claimed_nodes"] = claimed
         for c in det.detect(f):
             # a generic remedy is priced once the specific causes are fixed: CUDA graphs would
             # also hide an unfused optimizer's launches, but fusing it is the fix for that
-            pricer.price(f, c, [s.edit for s in found if s.edit is not None and s.rank == f.rank] if generic else None)
+            pricer.price(f, c, [s.edit for s in found if s.edit is not None and s.rank == f.rank] if det.generic else None)
             found.append(c)
             if c.region is not None and len(c.region) == len(claimed):
                 claimed |= c.region
     return found, rank_symptoms(f)
+
+
+def rank_conditions(f: RankFacts, asked: frozenset[str] | None = None) -> dict[str, bool]:
+    """Per JOB detector with a condition on every rank, whether this rank meets it (evaluated where
+    the rank is analysed, shipped in its summary)."""
+    return {d.code: d.every_rank(f) for d in registry.detectors(Scope.JOB, asked) if d.every_rank is not None}
+
+
+def diagnose_job(job: JobFacts, conditions: list[dict[str, bool]] | None = None,
+                 asked: frozenset[str] | None = None) -> list[Cause]:
+    """The registry's JOB detectors on a coupled job, each pricing its cause. ``conditions``:
+    every rank's :func:`rank_conditions` (default: those of the ranks in ``job``); a detector
+    whose condition some rank does not meet is skipped."""
+    if conditions is None:
+        conditions = [rank_conditions(f, asked) for f in job.facts]
+    out: list[Cause] = []
+    for det in registry.detectors(Scope.JOB, asked):
+        if det.every_rank is not None and not all(c.get(det.code, False) for c in conditions):
+            continue
+        out += det.detect(job)
+    return out
+
+
+def diagnose_cross(job: JobFacts, asked: frozenset[str] | None = None) -> tuple[list[Cause], list[Symptom]]:
+    """The registry's CROSS_RANK detectors once the ranks are compared (``job.cross``): their
+    symptoms and causes (a cause of ``job.found`` may be promoted in place)."""
+    causes: list[Cause] = []
+    symptoms: list[Symptom] = []
+    for det in registry.detectors(Scope.CROSS_RANK, asked):
+        if det.symptoms is not None:
+            symptoms += det.symptoms(job)
+        causes += det.detect(job)
+    return causes, symptoms
 
 
 def _link(causes: list[Cause], symptoms: list[Symptom]) -> None:
@@ -198,31 +229,6 @@ def cause_dict(c: Cause) -> dict:
     """A cause as the report's JSON (edit and region are internal)."""
     d = {k: v for k, v in asdict(c).items() if k not in ("edit", "region")}
     return d
-
-
-def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | None = None) -> dict:
-    """Causes and symptoms of every rank, priced and linked, causes ranked by saving; with
-    several ranks, collectives couple the pricing and the straggler's cause explains the waits."""
-    coupled = len(facts) >= 2 and columns is not None and attach_collectives(facts, columns)
-    pricer = Pricer(facts, coupled)
-    causes: list[Cause] = []
-    symptoms: list[Symptom] = []
-    for f in facts:
-        cs, ss = diagnose_rank(f, pricer)
-        causes += cs
-        symptoms += ss
-        if not coupled:  # no transfer times: the GPU counters can still show an unused link
-            causes += slow_interconnect.detect_rank(f, pricer)
-    if coupled:
-        causes += grad_accum.detect_job(facts, pricer)
-        causes += slow_interconnect.detect_job(facts, pricer, columns)
-        for det in registry.job_detectors():
-            causes += det.detect_job(facts, pricer, columns)
-    if cross:
-        cs, ss = straggler.causes(facts, cross, causes, pricer)
-        causes += cs
-        symptoms += ss
-    return assemble(causes, symptoms, [baseline_entry(f, bool(coupled)) for f in facts])
 
 
 def baseline_entry(f: RankFacts, coupled: bool) -> dict:

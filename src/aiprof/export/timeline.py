@@ -16,7 +16,7 @@ import numpy as np
 from aiprof import npx
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import find_steps
-from aiprof.flame.nesting import nest
+from aiprof.analysis.nesting import nest
 from aiprof.trace.store import Capture, RankTrace
 
 HOST_SOURCES = ("python", "annotations", "ops", "runtime")

@@ -6,7 +6,7 @@ How a GPU event gets its stack (no name guessing anywhere):
    launched it by **correlation id** (:func:`aiprof.analysis.launch.launch_rows`).
 2. That call is a node of its host thread's **interval forest**: every host interval of the
    thread (``python_function`` frames, ``cpu_op`` torch ops, host ``user_annotation`` ranges,
-   runtime calls) is nested by **timestamps** (:mod:`aiprof.flame.nesting`), so the call's
+   runtime calls) is nested by **timestamps** (:mod:`aiprof.analysis.nesting`), so the call's
    ancestors are the Python frames and ops that were on that thread's stack when it ran.
 3. A thread with no Python frames (autograd's backward worker) has its root intervals linked
    to the innermost interval of the Python thread of the same process at that instant (the
@@ -27,7 +27,7 @@ from aiprof import npx
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps, find_steps
 from aiprof.errors import UsageError
-from aiprof.flame.nesting import Nesting, nest
+from aiprof.analysis.nesting import Nesting, nest
 from aiprof.flame.profile import GPU_PREFIX, Profile, Stack, merge
 from aiprof.trace.store import Capture, RankTrace
 from aiprof.trace.table import Table, concat

@@ -173,7 +173,7 @@ class Sidecar:
     def _start_pyspy(self) -> None:
         import tempfile
 
-        from aiprof.attach.stacks import find_py_spy
+        from aiprof.tools import find_py_spy
 
         try:
             exe = find_py_spy()

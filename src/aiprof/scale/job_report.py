@@ -4,12 +4,14 @@
 2. **Match** (driver): the collectives across ranks, clock offsets, arrivals
    (analysis.ranks.align_and_arrivals) and each rank's coupling (diagnosis.job.coupling).
 3. **Analyse** (one task per rank): the rank's report section, its causes priced on its own
-   replay (waiting at collectives for the others' recorded arrivals), its symptoms.
+   replay (waiting at collectives for the others' recorded arrivals), its symptoms
+   (aiprof.pipeline's rank stages; the lowest rank also runs its job stage).
 4. **Compare** (driver): stragglers and abnormal workers from the summaries
    (analysis.ranks.cross_rank_of).
 5. **Stragglers** (one task each, on the straggler and its base rank): the diff evidence and
    the straggler's cause.
-6. **Assemble** (driver): causes ranked and linked to symptoms (diagnosis.engine.assemble).
+6. **Assemble** (driver): causes ranked and linked to symptoms (diagnosis.engine.assemble,
+   pipeline.assemble).
 
 The driver holds the summaries only: each rank's report section (tens of kB), its collectives'
 times and its causes and symptoms. The report has the same schema as the in-process one.
@@ -23,14 +25,13 @@ from dataclasses import asdict
 
 import numpy as np
 
-from aiprof import __version__
+from aiprof import pipeline
 from aiprof.analysis.breakdown import StepBreakdown
 from aiprof.analysis.ranks import align_and_arrivals, cross_rank_of
-from aiprof.analysis.report import SCHEMA, RankReport
-from aiprof.diagnosis import engine as diag
-from aiprof.diagnosis.causes import grad_accum
+from aiprof.analysis.report import RankReport
+from aiprof.diagnosis.causes import experimental_asked
+from aiprof.diagnosis.engine import assemble
 from aiprof.diagnosis.job import coupling
-from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Claim
 from aiprof.errors import TraceError
 from aiprof.scale import tasks
 from aiprof.scale.engines import Progress, RayEngine, SerialEngine
@@ -78,10 +79,11 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     pick = partners(ranks, matched[1].waited_us if matched else {}, rcols,
                     matched[1].caused_wait_us if matched else {})
     token = uuid.uuid4().hex
+    asked = experimental_asked()  # read here: the workers do not share this process's environment
     # 3. analyse each rank
     res: list[tasks.Analysed] = [None] * len(ing)  # type: ignore[list-item]
-    calls = [(inputs[r], inputs.get(pick.get(r)), entry, top, token, coupled and r == ranks[0], len(ranks))
-             for r in ranks]
+    calls = [(inputs[r], inputs.get(pick.get(r)), entry, top, token, coupled and r == ranks[0], len(ranks),
+              coupled, asked) for r in ranks]
     for i, out in engine.map("analyse", tasks.analyse_rank, calls, progress, nodes):
         res[i] = out
     reports = [r.report for r in res]
@@ -100,7 +102,7 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
         calls = [(ev, inputs[ev["straggler_rank"]], inputs.get(pick.get(ev["straggler_rank"])), inputs[ev["base_rank"]],
                   entry, top, token,
                   {w: by_rank[w].report["steps"] for w in ev.get("waiting_ranks", []) if w in by_rank},
-                  by_rank[ev["straggler_rank"]].causes) for ev in evs]
+                  by_rank[ev["straggler_rank"]].causes, asked) for ev in evs]
         where = [nodes[ranks.index(ev["straggler_rank"])] for ev in evs]
         for i, f in engine.map("stragglers", tasks.straggler_rank, calls, progress, where):
             evs[i]["differs"] = f.differs
@@ -110,24 +112,17 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     # in the in-process diagnosis's order: ranks' causes, the job's, the stragglers'
     causes = [c for r in res for c in r.causes]
     symptoms = [s for r in res for s in r.symptoms]
+    comm_us = {r.rank: _comm_us(r.report) for r in res}
     for c in res[0].job_causes if coupled else []:
-        if c.code == grad_accum.CODE and not all(r.grad_accum for r in res):
-            continue  # some rank has no collective to skip: not the job's cause
-        # as the job detectors claim them: every rank's exposed communication and waits
-        c.claims = ([Claim(EXPOSED_COMM, r.rank, _comm_us(r.report)) for r in res]
-                    + [Claim(WAITING_RANK, r.rank, 0.0) for r in res])
+        if not all(r.conditions.get(c.code, True) for r in res):
+            continue  # some rank does not meet the cause's condition (no collective to skip): not the job's
+        c.claims = pipeline.job_claims(c, comm_us)  # as in process: on every rank, not on the pair only
         causes.append(c)
     causes += [c for _, cs in sorted(straggler_c, key=lambda t: t[0]) for c in cs]
     symptoms += [s for _, ss in sorted(straggler_s, key=lambda t: t[0]) for s in ss]
     # 6. assemble
-    return {
-        "schema": SCHEMA,
-        "generator": {"name": "aiprof", "version": __version__},
-        "capture": {"world_size": world, "ranks_found": ranks, "sources": [inputs[r].source for r in ranks]},
-        "ranks": reports,
-        "cross_rank": cross,
-        **diag.assemble(causes, symptoms, [r.baseline for r in res]),
-    }
+    return pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross,
+                             assemble(causes, symptoms, [r.baseline for r in res]))
 
 
 def partners(ranks: list[int], waited_us: dict, coupled: dict, caused_us: dict | None = None) -> dict[int, int]:

@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from aiprof import pipeline
 from aiprof.analysis.breakdown import StepBreakdown
 from aiprof.analysis.ranks import RankCollectives as Collectives
-from aiprof.analysis.ranks import _diff_evidence, rank_collectives, rank_host
-from aiprof.analysis.report import _analyse_rank
-from aiprof.diagnosis import engine as diag
-from aiprof.diagnosis.causes import grad_accum, slow_interconnect, straggler
+from aiprof.analysis.ranks import diff_evidence, rank_collectives, rank_host
+from aiprof.diagnosis.detector import JobFacts
+from aiprof.diagnosis.engine import Pricer
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import RankCollectives as Coupling
 from aiprof.diagnosis.job import comm_ends, settle
@@ -63,8 +63,8 @@ class Analysed:
     causes: list[Cause]  # priced, in detector order; edits dropped
     symptoms: list[Symptom]
     baseline: dict  # the report's "baseline" row
-    grad_accum: bool  # gradient accumulation with collectives to skip on this rank
-    job_causes: list[Cause]  # the job's causes (grad_accum, slow_interconnect) priced here, when asked for
+    conditions: dict[str, bool]  # pipeline.RankSummary.conditions: this rank's, for the job's causes
+    job_causes: list[Cause]  # the job's causes (the registry's JOB detectors) priced here, when asked for
 
 
 @dataclass
@@ -116,7 +116,7 @@ def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> R
     key = (token, inp.source, inp.index, entry, top)
     hit = _PARTNER.get(key)
     if hit is None:
-        _, f = _analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns)
+        _, f = pipeline.analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns)
         hit = (f, f.graph.alpha, f.graph.beta, f.base, f.host_scale)
         _PARTNER.clear()  # one analysis at a time per worker: keep one partner
         _PARTNER[key] = hit
@@ -127,51 +127,52 @@ def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> R
 
 
 def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str | None, top: int,
-          token: str) -> tuple[object, RankFacts, list[RankFacts], diag.Pricer]:
+          token: str) -> tuple[object, RankFacts, list[RankFacts], Pricer]:
     """The rank's report and facts, and the pricer: the joint replay of the rank with its
     partner when both are coupled (calibrated together), else the rank's own replay."""
-    rep, f = _analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns)
+    rep, f = pipeline.analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns)
     if partner is None or inp.coupling is None or partner.coupling is None:
-        return rep, f, [f], diag.Pricer([f], False)
+        return rep, f, [f], Pricer([f], False)
     pair = [f, _partner_facts(partner, entry, top, token)]
     settle(pair)
-    return rep, f, pair, diag.Pricer(pair, True)
+    return rep, f, pair, Pricer(pair, True)
 
 
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,
-                 job_cause: bool, n_ranks: int = 0) -> Analysed:
-    """One rank's report, causes and symptoms. Each cause is priced by the joint replay of this
-    rank and its ``partner`` (job_report.partners: the rank holding the job back, standing for
-    all the others: the job's step is the slower of the two), or on this rank alone when the job
-    is not coupled.
-    ``job_cause``: also detect the job-wide causes (gradient accumulation, a slow interconnect
-    among the job's ``n_ranks`` ranks) and price them on both ranks (the driver asks the lowest
-    rank, as the in-process diagnosis does). ``token`` names the analysis."""
+                 job_cause: bool, n_ranks: int = 0, coupled: bool = False,
+                 asked: frozenset[str] = frozenset()) -> Analysed:
+    """One rank's report, causes and symptoms (pipeline.analyse_rank, pipeline.rank_stage). Each
+    cause is priced by the joint replay of this rank and its ``partner`` (job_report.partners:
+    the rank holding the job back, standing for all the others: the job's step is the slower of
+    the two), or on this rank alone when the job is not coupled. ``coupled``: collectives couple
+    the job's ranks (else the UNCOUPLED detectors run, as in process).
+    ``job_cause``: also run the job's detectors (pipeline.job_stage) on the pair, as among the
+    job's ``n_ranks`` ranks, priced on both ranks (the driver asks the lowest rank, as the
+    in-process diagnosis does). ``token`` names the analysis; ``asked``: the experimental codes."""
     rt = open_rank(inp)
     rep, f, pair, pricer = _pair(rt, inp, partner, entry, top, token)
-    causes, symptoms = diag.diagnose_rank(f, pricer)
-    a, o, _ = grad_accum._skippable(f)
-    skippable = bool(a.any() or o.any())
+    s = pipeline.rank_stage(f, pricer, coupled, asked)
     job = []
     if job_cause and pricer.coupled:
-        job += grad_accum.detect_job(pair, pricer) if skippable else []
-        if inp.rank_index is not None:
-            columns = {"collectives": {f.rank: rank_collectives(rt)}, "rank_index": {f.rank: inp.rank_index}}
-            job += slow_interconnect.detect_job(pair, pricer, columns, n_ranks or len(pair))
-    return Analysed(rank=rt.rank, report=asdict(rep), causes=_strip(causes), symptoms=symptoms,
-                    baseline=diag.baseline_entry(f, pricer.coupled), grad_accum=skippable, job_causes=_strip(job))
+        # the first rank's collectives and matching column: what the job detectors read of it
+        columns = ({"collectives": {f.rank: rank_collectives(rt)}, "rank_index": {f.rank: inp.rank_index}}
+                   if inp.rank_index is not None else {})
+        job = pipeline.job_stage(JobFacts(pair, pricer, columns, n_ranks or len(pair)), asked=asked)
+    return Analysed(rank=rt.rank, report=asdict(rep), causes=_strip(s.causes), symptoms=s.symptoms,
+                    baseline=s.baseline, conditions=s.conditions, job_causes=_strip(job))
 
 
 def straggler_rank(ev: dict, slow: RankInput, partner: RankInput | None, base: RankInput, entry: str | None,
-                   top: int, token: str, waiting: dict[int, list[dict]], own: list[Cause]) -> StragglerFound:
+                   top: int, token: str, waiting: dict[int, list[dict]], own: list[Cause],
+                   asked: frozenset[str] = frozenset()) -> StragglerFound:
     """A straggler's evidence (what its median step does more than the base rank's) and its
     cause, priced like its other causes (with its partner). ``ev`` is the cross-rank straggler
     entry, ``waiting`` the waiting ranks' step breakdowns (report dicts), ``own`` the causes
     the straggler's analysis found (one may become the straggler's cause)."""
     slow_rt = open_rank(slow)
-    ev = dict(ev, differs=_diff_evidence(open_rank(base), slow_rt))
+    ev = dict(ev, differs=diff_evidence(open_rank(base), slow_rt))
     _, _, pair, pricer = _pair(slow_rt, slow, partner, entry, top, token)
     have = {x.rank for x in pair}
     others = [_Waiting(r, [StepBreakdown(**s) for s in steps]) for r, steps in waiting.items() if r not in have]
-    cs, ss = straggler.causes([*pair, *others], {"stragglers": [ev]}, own, pricer)
+    cs, ss = pipeline.cross_rank_stage(JobFacts([*pair, *others], pricer, {}, 0, {"stragglers": [ev]}, own), asked)
     return StragglerFound(differs=ev["differs"], causes=_strip(cs), symptoms=ss, own=own)

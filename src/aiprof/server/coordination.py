@@ -15,7 +15,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError, read_json_body

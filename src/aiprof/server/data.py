@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from aiprof.agent.pmsampling import COLUMN_UNITS
+from aiprof.protocol import COLUMN_UNITS
 from aiprof.analysis.counters import counter_analysis, load_pm
 from aiprof.analysis import links, timeline, timeseries
 from aiprof.analysis.diff import diff_steps
@@ -18,7 +18,7 @@ from aiprof.analysis.hotspots import hotspots
 from aiprof.analysis.kernels import kernel_family, kernel_stats, top_with_other
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
 from aiprof.analysis.ranks import MatchedCollectives, matched_collectives
-from aiprof.analysis.report import build_report
+from aiprof.pipeline import build_report
 from aiprof.analysis.steps import find_steps
 from aiprof.analysis.steps import window as steps_window
 from aiprof.errors import AiprofError

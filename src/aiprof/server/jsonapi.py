@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from aiprof.agent.config import RequestError
+from aiprof.protocol import RequestError
 from aiprof.server.store import BadName
 
 MAX_JSON = 1 << 20  # request bodies other than uploads

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from aiprof.agent.config import CaptureRequest
+from aiprof.protocol import CaptureRequest
 from aiprof.errors import AiprofError
 from aiprof.server.client import ServerClient, ServerError
 

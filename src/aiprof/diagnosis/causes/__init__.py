@@ -1,15 +1,22 @@
-"""Cause detectors, one module per mechanism (docs/findings.md lists them).
+"""Cause detectors, one module per mechanism (docs/findings.md lists them), and their one
+ordered registry.
 
-Each module has ``CODE`` and ``detect(facts) -> list[Cause]``: evidence from the shared facts,
-the place, a specific remedy, and the fix as an :class:`~aiprof.diagnosis.replay.Edit` that the
-engine prices by replay. Order matters once: the generic LAUNCH_BOUND runs last and leaves out
-the host regions the specific detectors before it claimed.
+Each module declares ``DETECTOR`` (diagnosis/detector.py): its code, scope, the facts it reads
+and ``detect(facts) -> list[Cause]`` with evidence, place, a specific remedy and the fix as an
+:class:`~aiprof.diagnosis.replay.Edit` that is priced by replay. The engine runs
+:data:`REGISTRY` in order, scope by scope; adding a cause is one module and one line here
+(docs/architecture.md, "Add a cause").
 """
+from __future__ import annotations
+
+import os
+
 from aiprof.diagnosis.causes import (
     allocator_churn,
     comm_overlap,
     dataloader,
     decode_launch_bound,
+    grad_accum,
     host_preprocessing,
     host_sampling,
     host_scheduling,
@@ -21,31 +28,56 @@ from aiprof.diagnosis.causes import (
     new_shapes,
     pageable_copy,
     prefill_stall,
+    slow_interconnect,
     small_batch,
+    straggler,
     syscall_blocked,
     unfused_optimizer,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 
-# The serving detectors (host_sampling .. small_batch) act only on inference traces of a language
-# model (analysis/serving.py); decode_launch_bound claims the decode iterations' launches, so it
-# runs before the generic launch_bound, which prices what is left.
-RANK_DETECTORS = (allocator_churn, new_shapes, unfused_optimizer, host_sync, pageable_copy, syscall_blocked, dataloader,
-                  host_preprocessing, host_sampling, host_scheduling, kv_cache_copy, prefill_stall, small_batch,
-                  matmul_precision, idle_sms, decode_launch_bound, launch_bound)
-# Detectors whose remedy would also hide the specific causes' symptoms: priced after those.
-GENERIC = (launch_bound,)
-# Job-level detectors, ``detect_job(facts, pricer, columns)``: run when collectives couple the ranks.
-JOB_DETECTORS: tuple = ()
-# Detectors that failed their own validation pair, run only when named in $AIPROF_EXPERIMENTAL_CAUSES
-# (comma-separated codes). EXPOSED_BUCKET_COMM: on two NVLink H200s, one 384 MB bucket vs DDP's
-# 25 MB buckets measured 0.8 % apart, and it predicted 14.2 % (docs/findings.md, Validation).
-EXPERIMENTAL_JOB_DETECTORS = (comm_overlap,)
+# Order matters within a scope. The serving detectors (host_sampling .. small_batch) act only on
+# inference traces of a language model (analysis/serving.py); decode_launch_bound claims the
+# decode iterations' launches, so it runs before the generic launch_bound, which runs last and
+# prices what the specific detectors before it left (the host regions they claimed are left out).
+REGISTRY: tuple[Detector, ...] = (
+    allocator_churn.DETECTOR,
+    new_shapes.DETECTOR,
+    unfused_optimizer.DETECTOR,
+    host_sync.DETECTOR,
+    pageable_copy.DETECTOR,
+    syscall_blocked.DETECTOR,
+    dataloader.DETECTOR,
+    host_preprocessing.DETECTOR,
+    host_sampling.DETECTOR,
+    host_scheduling.DETECTOR,
+    kv_cache_copy.DETECTOR,
+    prefill_stall.DETECTOR,
+    small_batch.DETECTOR,
+    matmul_precision.DETECTOR,
+    idle_sms.DETECTOR,
+    decode_launch_bound.DETECTOR,
+    launch_bound.DETECTOR,
+    slow_interconnect.ON_ONE_RANK,
+    grad_accum.DETECTOR,
+    slow_interconnect.DETECTOR,
+    # EXPOSED_BUCKET_COMM failed its validation pair: on two NVLink H200s, one 384 MB bucket vs
+    # DDP's 25 MB buckets measured 0.8 % apart, and it predicted 14.2 % (docs/findings.md, Validation)
+    comm_overlap.DETECTOR,
+    straggler.DETECTOR,
+)
+# Detectors marked experimental run only when named here (comma-separated codes).
 EXPERIMENTAL_ENV = "AIPROF_EXPERIMENTAL_CAUSES"
 
 
-def job_detectors() -> tuple:
-    """The job-level detectors to run: the validated ones, and the experimental ones asked for."""
-    import os
+def experimental_asked() -> frozenset[str]:
+    """The experimental codes named in $AIPROF_EXPERIMENTAL_CAUSES (read where the job is
+    diagnosed, and passed to where its ranks are)."""
+    return frozenset(c.strip() for c in os.environ.get(EXPERIMENTAL_ENV, "").split(",") if c.strip())
 
-    asked = {c.strip() for c in os.environ.get(EXPERIMENTAL_ENV, "").split(",") if c.strip()}
-    return JOB_DETECTORS + tuple(d for d in EXPERIMENTAL_JOB_DETECTORS if d.CODE in asked)
+
+def detectors(scope: Scope, asked: frozenset[str] | None = None) -> tuple[Detector, ...]:
+    """The detectors of ``scope`` to run, in registry order: the validated ones and the
+    experimental ones ``asked`` for (default: $AIPROF_EXPERIMENTAL_CAUSES)."""
+    asked = experimental_asked() if asked is None else asked
+    return tuple(d for d in REGISTRY if d.scope == scope and (not d.experimental or d.code in asked))

@@ -19,6 +19,7 @@ from aiprof.diagnosis.causes.common import (
     site_and_stack,
     steps_with,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -84,3 +85,7 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"malloc_calls": n_malloc, "free_calls": n_free, "steps_with_calls": steps,
                   "host_us_in_calls": host_ns / 1e3, "empty_cache": bool(empty.any())},
         edit=e, region=region, claims=idle_claim(f, region))]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "steps", "tree"), detect=detect,
+                    acts_on=("host: cuda runtime", "host: cuda sync"))

@@ -34,6 +34,7 @@ from aiprof.diagnosis.causes.slow_interconnect import (
     NVLINK_LATENCY_NS,
     collective_bytes,
 )
+from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import EXPOSED_COMM, MIN_REPORTED_SHARE, Cause, Claim, Place
 
@@ -243,3 +244,10 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict) -> list[Cause]:
         edit=edits[f0.rank], claims=claims)
     pricer.price(f0, c, None, {r: e for r, e in edits.items() if r != f0.rank})
     return [c]
+
+
+def detect(job: JobFacts) -> list[Cause]:
+    return detect_job(job.facts, job.pricer, job.columns)
+
+
+DETECTOR = Detector(CODE, Scope.JOB, reads=("facts", "pricer", "columns"), detect=detect, experimental=True)

@@ -25,6 +25,7 @@ from aiprof.diagnosis.causes.common import (
     outermost,
     site_and_stack,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -107,3 +108,7 @@ def detect(f: RankFacts) -> list[Cause]:
                   "num_workers_zero": single, "waiting_for_workers": multi, "stall_steps": stall,
                   "function": fn, "per_step_loading_us": {int(n): float(v) / 1e3 for n, v in zip(f.steps.number, per_step)}},
         edit=e, region=region, claims=claims)]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("gaps", "has_gpu", "steps", "tree"), detect=detect,
+                    acts_on=("host: data loading",))

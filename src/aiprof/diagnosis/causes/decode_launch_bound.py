@@ -17,6 +17,7 @@ import numpy as np
 from aiprof.diagnosis.causes import serving_common as sc
 from aiprof.diagnosis.causes.common import ms
 from aiprof.diagnosis.causes.launch_bound import graph_fix
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -75,3 +76,6 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"decode_iterations": n_dec, "gpu_busy_share": busy / dur, "launches_per_iteration": per_iter_launch,
                   "median_kernel_us": float(np.median(kd)) / 1e3, "engine": eng},
         edit=e, region=region, claims=claims)]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "steps", "tree"), detect=detect)

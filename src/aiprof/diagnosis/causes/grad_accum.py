@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from aiprof.analysis.hotspots import PYTHON
+from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Cause, Claim, Place
@@ -92,3 +93,16 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
     others = {r: e for r, e in edits.items() if r != f0.rank}
     pricer.price(f0, c, None, others)
     return [c]
+
+
+def skippable(f: RankFacts) -> bool:
+    """Whether the rank all-reduces after a backward pass that is not its step's last."""
+    a, o, _ = _skippable(f)
+    return bool(a.any() or o.any())
+
+
+def detect(job: JobFacts) -> list[Cause]:
+    return detect_job(job.facts, job.pricer)
+
+
+DETECTOR = Detector(CODE, Scope.JOB, reads=("facts", "pricer"), detect=detect, every_rank=skippable)

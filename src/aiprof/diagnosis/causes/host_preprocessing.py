@@ -24,6 +24,7 @@ from aiprof.diagnosis.causes.common import (
     site_and_stack,
     torch_work_below,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -87,3 +88,7 @@ def detect(f: RankFacts) -> list[Cause]:
                       "gpu_idle_us": claims[0].us},
             edit=e, region=f.under(mask), claims=claims))
     return out
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("has_gpu", "recorded_step_ns", "steps", "tree"), detect=detect,
+                    acts_on=("host: python", "host: no traced event"))

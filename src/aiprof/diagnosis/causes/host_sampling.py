@@ -23,6 +23,7 @@ from aiprof.diagnosis.causes.common import (
     site_and_stack,
     torch_work_below,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -87,3 +88,6 @@ def detect(f: RankFacts) -> list[Cause]:
                   "copy_us_per_iteration": float(g.o_dur[big].sum()) / per / 1e3, "host_sampling_ops": int(host_ops.sum()),
                   "vocab": sv.vocab},
         edit=e, region=region, claims=idle_claim(f, region))]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "has_gpu", "rt", "steps", "tree"), detect=detect)

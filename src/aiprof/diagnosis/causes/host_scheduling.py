@@ -26,6 +26,7 @@ from aiprof.diagnosis.causes.common import (
     site_and_stack,
     torch_work_below,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -97,3 +98,6 @@ def detect(f: RankFacts) -> list[Cause]:
                       "gpu_idle_us": claims[0].us, "engine": eng},
             edit=e, region=region, claims=claims))
     return out
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "has_gpu", "recorded_step_ns", "steps", "tree"), detect=detect)

@@ -17,6 +17,7 @@ import numpy as np
 from aiprof.analysis.hotspots import OP
 from aiprof.analysis.runtime import is_scalar_read
 from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -150,3 +151,7 @@ def detect(f: RankFacts) -> list[Cause]:
                       "calls_per_step": calls_per_step, "host_wait_us": wait_ns / 1e3, "pattern": pattern},
             edit=e, region=region, claims=idle_claim(f, region)))
     return out
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("host: cuda sync",))

@@ -38,10 +38,11 @@ from aiprof.analysis.counters import IDLE_SM_PCT
 from aiprof.analysis.hotspots import OP, PYTHON, is_library_frame
 from aiprof.analysis.kernels import is_matmul_kernel, kernel_family
 from aiprof.diagnosis.causes.common import ms, steps_with
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import LAUNCH
 from aiprof.diagnosis.replay import Edit
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import MIN_REPORTED_SHARE, SLOW_KERNELS, Cause, Claim, Place
 from aiprof.trace.classify import COMPUTE
 
@@ -357,3 +358,6 @@ def _grid_cause(f: RankFacts, key: tuple[str, str], ix: np.ndarray, fill: np.nda
                   "repeats_per_call": repeats, "batched_blocks": repeats * rep_blocks if loop else None,
                   "loop": loop, "max_grid_fill": max_fill},
         edit=e)
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("counters", "extra", "graph", "rt", "steps", "tree"), detect=detect)

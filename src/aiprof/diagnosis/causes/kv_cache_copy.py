@@ -19,6 +19,7 @@ import numpy as np
 from aiprof.analysis.hotspots import OP
 from aiprof.diagnosis.causes import serving_common as sc
 from aiprof.diagnosis.causes.common import ms, site_and_stack
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -89,3 +90,6 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"concatenations": n_cat, "per_iteration": n_cat / per, "copy_kernels": int(hit.sum()),
                   "copy_gpu_us": gpu_ns / 1e3, "median_new_share": float(np.median(ratio[kv]))},
         edit=e)]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "rt", "steps", "tree"), detect=detect)

@@ -16,6 +16,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.diagnosis.causes.common import idle_claim, ms
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import LAUNCH
 from aiprof.diagnosis.model import Cause, Place
@@ -91,3 +92,7 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"launches_per_step": n_launch / per, "median_kernel_us": float(np.median(kd)) / 1e3,
                   "graph_kernel_gap_ns": GRAPH_KERNEL_GAP_NS, "compiled": compiled},
         edit=e, claims=claims)]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "has_gpu", "steps", "tree"), detect=detect, generic=True,
+                    acts_on=("host: op dispatch", "host: cuda runtime", "host: python"))

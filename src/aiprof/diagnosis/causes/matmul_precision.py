@@ -12,8 +12,9 @@ import numpy as np
 
 from aiprof.analysis.kernels import is_matmul_kernel, is_tensor_core_kernel
 from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import SLOW_KERNELS, Cause, Claim, Place
 
 CODE = "MATMUL_OFF_TENSOR_CORES"
@@ -54,3 +55,7 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"slow_matmul_us_per_step": slow_ns / per / 1e3, "kernels": int(slow.sum()),
                   "fp32_ops": ops, "speedup_assumed": 1 / ratio, "device": dev.name},
         edit=e, claims=[Claim(SLOW_KERNELS, f.rank, slow_ns / 1e3 * (1 - ratio))])]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "kernels", "rt", "steps"), detect=detect,
+                    acts_on=("gpu: compute",))

@@ -24,6 +24,7 @@ from aiprof.diagnosis.causes.common import (
     site_and_stack,
     steps_with,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import SYNC
 from aiprof.diagnosis.model import Cause, Place
@@ -125,3 +126,7 @@ def detect(f: RankFacts) -> list[Cause]:
                   "shapes": shapes[:20], "distinct_shapes": len(shapes), "kind": kinds,
                   "search_actions": int(search_acts.sum()), "trial_ops": int(e.drop_op.sum())},
         edit=e, region=region, claims=idle_claim(f, region))]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("host: cuda sync", "host: op dispatch", "gpu: compute"))

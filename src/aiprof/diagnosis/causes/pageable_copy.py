@@ -12,8 +12,9 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP
 from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import EXPOSED_COPY, Cause, Claim, Place
 from aiprof.trace import classify
 
@@ -79,3 +80,7 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"copies": int(page.sum()), "bytes": b, "copy_us": t / 1e3, "achieved_gbps": achieved,
                   "pinned_gbps": bw, "pinned_from": bw_from},
         edit=e, region=region, claims=[Claim(EXPOSED_COPY, f.rank, t / 1e3)] + idle_claim(f, region))]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("gpu: memory ops", "host: cuda runtime"))

@@ -22,6 +22,7 @@ import numpy as np
 from aiprof.analysis.serving import DECODE, MIXED, PREFILL
 from aiprof.diagnosis.causes import serving_common as sc
 from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import SLOW_STEP, Cause, Claim, Place
 
@@ -87,3 +88,6 @@ def detect(f: RankFacts) -> list[Cause]:
                   "predicted_max_inter_token_us": 2 * med, "chunks": chunks, "chunk_tokens": chunk_tokens,
                   "engine": eng, "always_reported": True},
         edit=e, claims=[Claim(SLOW_STEP, f.rank, float(extra.sum()))])]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "steps"), detect=detect)

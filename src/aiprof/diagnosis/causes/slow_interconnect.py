@@ -15,7 +15,7 @@ ranks on one host, the best bus bandwidth of the large collectives stays under
 a single rank's kernel durations include its waits and prove nothing about the link.
 
 Fix priced on every rank at once by the joint replay: every matched collective's transfer at the
-device's NVLink bus bandwidth (``diagnosis/hardware.py``) plus NCCL's intra-node latency.
+device's NVLink bus bandwidth (``aiprof/hardware.py``) plus NCCL's intra-node latency.
 
 One rank alone (:func:`detect_rank`, a capture of some ranks only) has no transfer times, but
 its GPU's PM counters say where the bytes went: a link the collectives use carries their bytes
@@ -31,8 +31,9 @@ import numpy as np
 
 from aiprof.analysis.comm import BUSBW_FACTOR, DTYPE_BYTES, PCIE_GEN5_X16_GBPS
 from aiprof.diagnosis.causes.common import ms, transfer_edits
+from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.hardware import device
+from aiprof.hardware import device
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Cause, Claim, Place
 
 CODE = "SLOW_INTERCONNECT"
@@ -135,8 +136,9 @@ def _nvlink_host(f: RankFacts, n_ranks: int):
     return dev
 
 
-def detect_rank(f: RankFacts, pricer) -> list[Cause]:
-    """The cause on one rank analysed alone, from its GPU's counters (module docstring)."""
+def detect_rank(f: RankFacts) -> list[Cause]:
+    """The cause on one rank analysed alone, from its GPU's counters (module docstring); the
+    engine prices it on that rank."""
     n_ranks = f.rt.world_size
     dev = _nvlink_host(f, n_ranks)
     if dev is None:
@@ -187,7 +189,6 @@ def detect_rank(f: RankFacts, pricer) -> list[Cause]:
                   "from": "GPU counters (one rank)"},
         edit=e,
         claims=[Claim(EXPOSED_COMM, f.rank, float(sum(b.communication_us for b in f.breakdown)))])
-    pricer.price(f, c)
     return [c]
 
 
@@ -253,3 +254,13 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
     others = {r: e for r, e in edits.items() if r != f0.rank}
     pricer.price(f0, c, None, others)
     return [c]
+
+
+def detect(job: JobFacts) -> list[Cause]:
+    return detect_job(job.facts, job.pricer, job.columns, job.n_ranks or None)
+
+
+# a rank whose job has no transfer times (analysed alone): its GPU's counters; a coupled job: the
+# collectives' transfer times
+ON_ONE_RANK = Detector(CODE, Scope.UNCOUPLED, reads=("breakdown", "counters", "graph", "rt", "steps"), detect=detect_rank)
+DETECTOR = Detector(CODE, Scope.JOB, reads=("facts", "pricer", "columns", "n_ranks"), detect=detect)

@@ -18,6 +18,7 @@ import numpy as np
 
 from aiprof.diagnosis.causes import serving_common as sc
 from aiprof.diagnosis.causes.common import idle_claim, ms
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -91,3 +92,6 @@ def detect(f: RankFacts) -> list[Cause]:
                   "median_decode_us": dur, "median_decode_gpu_busy_us": busy, "idle_iterations": idle_iters,
                   "max_batch_seen": int(sv.summary.get("batch", {}).get("max", 0)), "engine": eng},
         edit=e, claims=claims)]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "steps"), detect=detect)

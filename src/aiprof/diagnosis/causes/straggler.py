@@ -17,6 +17,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import (
     EXPOSED_COMM,
@@ -34,18 +35,13 @@ CODE = "STRAGGLER"
 # the straggler differs most from the median rank, and its fix saves at least this share of what
 # removing the whole difference saves.
 PROMOTE_SHARE = 0.5
-# The class of work each rank-level cause acts on (classes of analysis.hotspots / ranks).
-CAUSE_CLASS = {
-    "DATALOADER_STARVED": ("host: data loading",),
-    "HOST_PREPROCESSING": ("host: python", "host: no traced event"),
-    "LAUNCH_BOUND": ("host: op dispatch", "host: cuda runtime", "host: python"),
-    "UNFUSED_OPTIMIZER": ("host: op dispatch", "host: cuda runtime"),
-    "HOST_SYNC": ("host: cuda sync",),
-    "ALLOCATOR_CHURN": ("host: cuda runtime", "host: cuda sync"),
-    "NEW_INPUT_SHAPES": ("host: cuda sync", "host: op dispatch", "gpu: compute"),
-    "MATMUL_OFF_TENSOR_CORES": ("gpu: compute",),
-    "PAGEABLE_COPY": ("gpu: memory ops", "host: cuda runtime"),
-}
+
+
+def _acts_on(code: str) -> tuple[str, ...]:
+    """The classes of work the cause ``code``'s fix acts on (its detector's ``acts_on``)."""
+    from aiprof.diagnosis.causes import REGISTRY  # here: the registry imports this module
+
+    return next((d.acts_on for d in REGISTRY if d.code == code), ())
 
 
 def _waiting_symptoms(ev: dict, by_rank: dict[int, RankFacts]) -> list[Symptom]:
@@ -158,7 +154,7 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
         c.evidence["always_reported"] = True  # the arrival evidence stands even when the replay prices it low
         # a cause a detector found on the straggler is the better answer when it explains at
         # least half of what bringing the straggler to the median rank would save
-        own = [o for o in own if cls in CAUSE_CLASS.get(o.code, ())]
+        own = [o for o in own if cls in _acts_on(o.code)]
         if own and own[0].saving.get("per_step_us", 0.0) >= PROMOTE_SHARE * c.saving.get("per_step_us", 0.0):
             o = own[0]
             o.title = f"rank {s} is the straggler (rank(s) {wr} wait for it): {o.title}"
@@ -167,3 +163,18 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
             continue
         out_c.append(c)
     return out_c, out_s
+
+
+def detect(job: JobFacts) -> list[Cause]:
+    return causes(job.facts, job.cross or {}, job.found, job.pricer)[0]
+
+
+def waiting(job: JobFacts) -> list[Symptom]:
+    """The WAITING_RANK symptoms of the ranks that wait for a straggler in hand."""
+    by_rank = {f.rank: f for f in job.facts}
+    return [w for ev in (job.cross or {}).get("stragglers", []) if ev["straggler_rank"] in by_rank
+            for w in _waiting_symptoms(ev, by_rank)]
+
+
+DETECTOR = Detector(CODE, Scope.CROSS_RANK, reads=("facts", "pricer", "cross", "found"), detect=detect,
+                    symptoms=waiting)

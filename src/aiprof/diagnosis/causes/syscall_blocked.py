@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from aiprof.diagnosis.causes.common import biggest_node, idle_claim, ms, offload_edit, outermost, pct, site_and_stack
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
 
@@ -109,3 +110,6 @@ def detect(f: RankFacts) -> list[Cause]:
                   "by_syscall_us": {k: v / 1e3 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])},
                   "top_path": top_path, "function": fn, "source": "syscalls sampled from /proc (native sidecar)"},
         edit=e, region=region, claims=claims)]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("has_gpu", "recorded_step_ns", "rt", "steps", "tree"), detect=detect)

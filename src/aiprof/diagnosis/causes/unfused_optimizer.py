@@ -27,6 +27,7 @@ from aiprof.diagnosis.causes.common import (
     outermost,
     site_and_stack,
 )
+from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import LAUNCH
 from aiprof.diagnosis.model import Cause, Place
@@ -182,3 +183,7 @@ def detect(f: RankFacts) -> list[Cause]:
                   "fixed_kernel_us": fixed / 1e3, "fused_gpu_us_per_step": fused_gpu / 1e3,
                   "bandwidth_gbps": bw, "elements": numel_step},
         edit=e, region=region, claims=idle_claim(f, region))]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "rt", "steps", "tree"), detect=detect,
+                    acts_on=("host: op dispatch", "host: cuda runtime"))

@@ -1,7 +1,10 @@
-"""Capture requests: what to record, when to start, when to stop. Plain data, JSON round-trip.
+"""What the aiprof side and the agent agree on: capture requests (what to record, when to start,
+when to stop; plain data, JSON round-trip) and the columns of the files the agent writes.
 
 A request travels from the CLI to the agent (environment variable for ``aiprof run``, control
-socket for ``aiprof trigger``/``attach``), so it is a flat dict of JSON types.
+socket for ``aiprof trigger``/``attach``), so it is a flat dict of JSON types. This module sits
+on the ground floor (standard library only; the probe file's checks are imported when a request
+carries one) so that the agent, the CLI and the service all import it downwards.
 """
 from __future__ import annotations
 
@@ -167,3 +170,36 @@ def runtime_dir(uid: int | None = None) -> str:
     if env:
         return env
     return os.path.join("/tmp", f"aiprof-{os.getuid() if uid is None else uid}")
+
+
+# --- pm.csv.gz (agent/pmsampling.py): its columns, their units and the CUPTI metrics behind them ---
+# role -> (column, unit, candidate CUPTI metric names, best first). Columns carry their unit;
+# "_pct" columns are 0-100 of the unit's peak over the sample window. A candidate that counts
+# events in the window (``is_count``: bytes, sectors, cycles) becomes the column's unit per
+# second: times SCALE, divided by the window's length when the samples are written
+# (agent/hwmon.py). GH100 names read off the chip's PM-sampling metric list (bench/pm_probe.py
+# writes it): byte counters there take no ".per_second" rollup, so bytes are counted and turned
+# into rates here.
+ROLES: list[tuple[str, str, list[str]]] = [
+    ("pm_sm_active_pct", "%", ["sm__cycles_active.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_sm_issue_pct", "%", ["sm__inst_executed_realtime.avg.pct_of_peak_sustained_elapsed",
+                              "sm__inst_executed.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_tensor_active_pct", "%", ["sm__pipe_tensor_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
+                                   "sm__pipe_tensor_op_hmma_cycles_active_realtime.avg.pct_of_peak_sustained_elapsed",
+                                   "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_dram_read_Bps", "B/s", ["dram__bytes_read.sum", "dramc__sectors_op_read.sum"]),
+    ("pm_dram_write_Bps", "B/s", ["dram__bytes_write.sum", "dramc__sectors_op_write.sum"]),
+    ("pm_nvlink_tx_Bps", "B/s", ["nvltx__bytes.sum"]),
+    ("pm_nvlink_rx_Bps", "B/s", ["nvlrx__bytes.sum"]),
+    ("pm_pcie_read_Bps", "B/s", ["pcie__read_bytes.sum"]),
+    ("pm_pcie_write_Bps", "B/s", ["pcie__write_bytes.sum"]),
+    ("pm_l2_Bps", "B/s", ["lts__t_bytes.sum", "lts__t_sectors.sum"]),
+    ("pm_dram_pct", "%", ["dram__throughput.avg.pct_of_peak_sustained_elapsed",
+                          "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+                          "dramc__throughput.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_l2_pct", "%", ["lts__throughput.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_warps_active_pct", "%", ["sm__warps_active_realtime.avg.pct_of_peak_sustained_elapsed",
+                                  "sm__warps_active.avg.pct_of_peak_sustained_elapsed"]),
+    ("pm_gpc_clock_hz", "Hz", ["gpc__cycles_elapsed.max", "gpc__cycles_elapsed.avg"]),
+]
+COLUMN_UNITS = {col: unit for col, unit, _ in ROLES}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiprof.flame.nesting import nest
+from aiprof.analysis.nesting import nest
 
 
 def _random_forest(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
