@@ -12,7 +12,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "aiprof"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "npx"),  # ground: standard library and numpy only
+    ("__init__", "errors", "npx", "termtext"),  # ground: standard library and numpy only
     ("hardware", "tools"),  # the device table, the external programs
     ("trace",),  # readers, tables, the store
     ("native",),  # the native sidecar (spawned by the agent, read by the CLI)
@@ -24,6 +24,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("flame",),
     ("export",),
     ("report",),  # renderers
+    ("api",),  # the Python/DataFrame API (aiprof.open): tables, the report as objects, notebook views
     ("server",),  # the service and its client
     ("agent",),  # inside the profiled process; a client of the server (uplink)
     ("attach",),  # getting the agent in
@@ -31,6 +32,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("__main__",),
 ]
 FLOOR = {part: i for i, parts in enumerate(FLOORS) for part in parts}
+# The one import that may go up: the package's facade, `aiprof.open`, imported lazily by
+# aiprof/__init__.py on first use (so `import aiprof` inside a user's job stays light).
+FACADE = {("__init__", "api")}
 
 
 def _part(module: str) -> str | None:
@@ -59,7 +63,8 @@ def imported_parts(source: str) -> list[tuple[int, str]]:
 def back_up_imports(part: str, source: str, where: str) -> list[str]:
     """The imports of ``source`` (in ``part``) that go to a higher floor or across its own."""
     return [f"{where}:{line}: {part} (floor {FLOOR[part]}) imports {to} (floor {FLOOR[to]})"
-            for line, to in imported_parts(source) if to != part and FLOOR[to] >= FLOOR[part]]
+            for line, to in imported_parts(source)
+            if to != part and FLOOR[to] >= FLOOR[part] and (part, to) not in FACADE]
 
 
 def _modules():

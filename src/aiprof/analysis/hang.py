@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
-from aiprof.report.termtext import visible
+from aiprof.termtext import visible
 
 # torch.distributed functions that block until every rank of the group has joined
 COLLECTIVE_FUNCS = frozenset({

@@ -17,7 +17,7 @@ import os
 import subprocess
 from typing import Any
 
-from aiprof.report.termtext import visible
+from aiprof.termtext import visible
 from aiprof.tools import find_py_spy
 
 

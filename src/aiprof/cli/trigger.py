@@ -49,7 +49,7 @@ def print_results(results: dict[int, dict], as_json: bool, req_id: str) -> int:
 def run_server(args: argparse.Namespace) -> int:
     """``--server`` mode: the service drives every rank of a job."""
     from aiprof.analysis.hang import format_text
-    from aiprof.report.termtext import visible_lines
+    from aiprof.termtext import visible_lines
     from aiprof.server.client import ServerClient
     from aiprof.server.remote import capture_job, hang_job, list_jobs, resolve_job
 

@@ -17,7 +17,7 @@ from importlib import resources
 from typing import Sequence
 
 from aiprof.flame.profile import GPU_PREFIX, Profile
-from aiprof.report.termtext import visible
+from aiprof.termtext import visible
 from aiprof.trace import classify
 
 FRAME_H = 16

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from aiprof.report.serving_text import render_serving
-from aiprof.report.termtext import safe
+from aiprof.termtext import safe
 
 _MAX_RANK_DETAIL = 8  # beyond this many ranks, steps tables give way to one row per rank
 # A pipe or a file has no width: wide enough that the widest table (counters, 12 columns) keeps

@@ -503,7 +503,7 @@ def open_capture(paths: Iterable[str] | str, use_cache: bool = True, show_progre
             TransferSpeedColumn,
         )
 
-        from aiprof.report.termtext import markup_safe
+        from aiprof.termtext import markup_safe
 
         # on stderr: stdout may be the JSON report, piped elsewhere
         with Progress(TextColumn("[bold]ingest[/] {task.description}"), BarColumn(), DownloadColumn(),
