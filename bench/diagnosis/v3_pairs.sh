@@ -6,6 +6,7 @@
 #      (the stall's fault also with --what kernels: no Python stacks);
 #   3. the 4-rank jobs (DDP with one rank's sequences twice as long, healthy DDP = its fix, healthy
 #      FSDP2) timed and captured the same way under torchrun.
+# On fewer GPUs: CASES="gc ckpt" picks single-GPU pairs, NPROC=2 runs the distributed jobs on 2.
 # Results: $OUT/times.jsonl (one line per timed run) and $OUT/caps-*.tar (the capture folders,
 # split under 15 MB), analysed here by bench/diagnosis/validate_v3.py.
 #   run: bash bench/diagnosis/v3_pairs.sh        (carry .whl; WHL=.whl/v3 holds msgspec)
@@ -49,16 +50,18 @@ pair() {
 
 if [ "$PHASE" != multi ]; then
 say "single-GPU pairs"
-( pair gc 0; pair healthy 0 ) &
-( pair ckpt 1 ) &
-( pair print 2 ) &
-( pair stall 3; pair fileread 3 ) &
+# CASES (default all six) spread over the GPUs there are, one lane of pairs per GPU
+NGPU=$(nvidia-smi -L | wc -l)
+read -r -a CS <<< "${CASES:-gc healthy ckpt print stall fileread}"
+for g in $(seq 0 $((NGPU - 1))); do
+  ( for i in "${!CS[@]}"; do [ $((i % NGPU)) -eq "$g" ] && pair "${CS[$i]}" "$g"; done ) &
+done
 wait
 fi
 
 if [ "$PHASE" != single ]; then
 say "4-rank jobs"
-TR="torchrun --standalone --nproc-per-node 4"
+TR="torchrun --standalone --nproc-per-node ${NPROC:-4}"
 for r in $(seq 1 "$ROUNDS"); do
   for v in fault fix; do
     $TR $JOB --case ddp_uneven --variant $v --steps 20 --times $K/times/ddp_uneven-$v-$r.json \
