@@ -17,7 +17,7 @@ from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
 from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
-from aiprof.analysis.hotspots import Gaps, HostTree, gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
+from aiprof.analysis.hotspots import HOST_CLASSES, Gaps, HostTree, gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
 from aiprof.analysis.counters import CounterAnalysis, counter_analysis
 from aiprof.analysis.kernels import (
     KernelAnalysis,
@@ -119,7 +119,7 @@ class RankAnalyses:
     kernels: KernelAnalysis
     comm: CommAnalysis
     has_gpu: bool
-    host_idle_by_class: dict  # analysis.hotspots classes: GPU-idle time per host class
+    host_idle_by_class: dict  # analysis.hotspots HOST_CLASSES: GPU-idle time per host class (µs)
     serving: ServingAnalysis | None
     counters: CounterAnalysis | None
 
@@ -133,7 +133,9 @@ def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15) -> tupl
     gpu = has_gpu(rt)
     gaps = gpu_gaps(rt, steps, tree, gpu_busy(rt)) if gpu else gpu_gaps(rt, Steps(steps.number[:0], steps.start[:0], steps.end[:0], steps.source), tree)
     hs = hotspots(rt, steps, top=top)
-    classes = {c.cls: c.time_us for c in hs.classes}
+    # the GPU-idle time by host class (the host classes add up to the idle time; the gpu: classes
+    # are busy time, no part of it)
+    classes = {c.cls: c.time_us for c in hs.classes if c.cls in HOST_CLASSES}
     ka = kernel_analysis(rt, len(steps), top)
     ra = runtime_analysis(rt, steps, top=top)
     ca = comm_analysis(rt, int(steps.start.min()), int(steps.end.max())) if len(steps) else comm_analysis(rt)

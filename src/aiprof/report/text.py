@@ -71,12 +71,13 @@ def _steps_table(rank: dict) -> Table:
         for s in rank["steps"]:
             t.add_row(str(s["step"]), _ms(s["duration_us"]), _ms(s["dataloader_us"]))
         return t
-    for col in ("step", "duration", "compute", "comm (exposed)", "memory", "idle", "GPU busy", "runtime", "sync", "launches"):
+    for col in ("step", "duration", "compute", "comm (exposed)", "memory", "idle", "GPU busy", "runtime", "sync",
+                "data loading", "launches"):
         t.add_column(col, justify="right")
     for s in rank["steps"]:
         t.add_row(str(s["step"]), _ms(s["duration_us"]), _ms(s["compute_us"]), _ms(s["communication_us"]),
                   _ms(s["memory_us"]), _ms(s["idle_us"]), f"{s['gpu_busy_pct']:.1f}%", _ms(s["runtime_us"]),
-                  _ms(s["sync_us"]), str(s["kernels_launched"]))
+                  _ms(s["sync_us"]), _ms(s["dataloader_us"]), str(s["kernels_launched"]))
     return t
 
 
