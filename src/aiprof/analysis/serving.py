@@ -231,6 +231,8 @@ def rate_interval(rt: RankTrace, iv: dict) -> dict:
     the capture (offsets from its first event, wall-clock times where the agent aligned the
     clocks), and the whole run's rate where something saw it (else null, with why)."""
     lo, hi = window(rt)
+    # the capture holds its iterations (a step window may end a nanosecond past the last event)
+    lo, hi = min(lo, iv["start_ns"]), max(hi, iv["end_ns"])
     agent = rt.meta.get("capture") or {}
     clock = agent.get("clock") or {}
     seen = (agent.get("steps") or {}).get("seen_total")
@@ -260,6 +262,14 @@ def _phase(tin: int, tout: int, batch: int, tq: int, kv: int) -> str:
 
 def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if len(a) else 0.0
+
+
+def _interval(iters: list[ServingIteration], busy: np.ndarray, span_us: float) -> dict:
+    """The span tokens/s covers, in exact integer ns (float64 loses nanoseconds at epoch-scale
+    trace clocks): first start to last end of the model's iterations (of all, when none ran it)."""
+    its = [x for x, b in zip(iters, busy) if b] or iters
+    return {"start_ns": min(x.start_ns for x in its),
+            "end_ns": max(x.start_ns + round(x.duration_us * NS_PER_US) for x in its), "duration_us": span_us}
 
 
 def summarize(iters: list[ServingIteration], rt_has_gpu: bool = True) -> dict:
@@ -312,7 +322,7 @@ def summarize(iters: list[ServingIteration], rt_has_gpu: bool = True) -> dict:
         "tokens_out": int(tout.sum()),
         "span_us": span_us,
         # what tokens_per_s covers (completed by rate_interval): first to last model iteration
-        "interval": {"start_ns": int(t0), "end_ns": int(t1), "duration_us": span_us},
+        "interval": _interval(iters, busy_it, span_us),
         "tokens_per_s": float(tout.sum() / (span_us / 1e6)) if tout.sum() else 0.0,
         "iteration_median_us": float(np.median(dur)),
         "by_phase": by_phase,
