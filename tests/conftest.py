@@ -45,6 +45,26 @@ def ddp4_dir(tmp_path_factory) -> Path:
     return _copy(tmp_path_factory, *(f"ddp4_slow2_rank{r}.json.gz" for r in range(4)))
 
 
+# The Makefile's `make demo` capture: examples/tiny_train.py under `aiprof run`, the same arguments.
+DEMO_RUN = ["run", "--skip", "3", "--iterations", "6", "--what", "kernels,python,memory"]
+DEMO_JOB = ["examples/tiny_train.py", "--steps", "14", "--slow-step", "7"]
+
+
+@pytest.fixture(scope="session")
+def demo_capture(tmp_path_factory) -> Path:
+    """The `make demo` capture folder (CPU; step 7 sleeps 60 ms in get_batch)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path_factory.mktemp("demo")
+    res = subprocess.run([sys.executable, "-m", "aiprof", *DEMO_RUN, "--out", str(out), "--capture-id", "capture",
+                          "--", sys.executable, *DEMO_JOB], cwd=root, capture_output=True, text=True, timeout=300)
+    cap = out / "capture"
+    assert (cap / "rank0" / "trace.json.gz").exists(), res.stderr[-2000:]
+    return cap
+
+
 # --- a real headless Chromium (Debian's), driven by Playwright with its executable path ---
 # Defined once here: two session-scoped Playwright instances in one process collide (the sync
 # API refuses to start while another's event loop runs in the thread).

@@ -90,3 +90,27 @@ def test_report_and_text(tmp_path):
     assert "Steps (from module:GPT2LMHeadModel_0 within ProfilerStep)" in out
     assert "Serving · model GPT2LMHeadModel_0" in out and "tokens/s" in out
     assert "decode" in out and "prefill" in out
+
+
+def test_tokens_per_s_says_its_interval(captures, tmp_path):
+    """tokens/s covers the captured window's model iterations, and the report says so: where in the
+    capture, how long, and why there is no whole-run figure beside it (no agent saw the run)."""
+    for mode in ("generate", "cb_stall"):
+        rt = rank(captures, mode, tmp_path)
+        sv = _serving(rt)
+        s, iv = sv.summary, sv.summary["interval"]
+        busy = [it for it in sv.iterations if it.phase != "idle"]
+        # the interval is the first to the last model iteration, inside the capture
+        assert iv["covers"] == "captured window"
+        assert iv["start_ns"] == busy[0].start_ns
+        assert iv["end_ns"] == max(it.start_ns + round(it.duration_us * 1000) for it in busy)
+        assert iv["duration_us"] == s["span_us"] and s["tokens_per_s"] == s["tokens_out"] / (iv["duration_us"] / 1e6)
+        assert 0 <= iv["from_capture_start_us"] < iv["to_capture_start_us"] <= iv["capture_duration_us"]
+        # a raw torch.profiler capture: nothing saw the rest of the run
+        assert iv["whole_run_tokens_per_s"] is None and "captured window's, not the run's" in iv["whole_run_reason"]
+        buf = io.StringIO()
+        text.render(build_report(open_capture(rt.source)), buf, width=400)
+        line = next(x for x in buf.getvalue().splitlines() if x.startswith("tokens/s interval:"))
+        assert line.startswith("tokens/s interval: the captured window, its first to last model iteration, ")
+        assert f"({iv['duration_us'] / 1000:,.2f} of {iv['capture_duration_us'] / 1000:,.2f} ms)" in line
+        assert f"whole run: — ({iv['whole_run_reason']})" in line

@@ -26,3 +26,14 @@ def test_agent_threads_dropped_but_hook_kept(tmp_path):
     # the optimizer-step hook runs in the training thread: its cost stays visible
     assert any("aiprof/agent/steps.py" in n for n in names)
     assert set(rt.python["tid"].tolist()).isdisjoint(dropped)
+
+
+def test_training_thread_kept_when_parents_are_lost(demo_capture):
+    """The demo capture: torch's tracer loses the parent ids of the training thread's frames after
+    the stop, so the step hook's agent frames have no parent; that thread is still the job's."""
+    rt = open_capture(str(demo_capture)).ranks[0]
+    dropped = rt.meta["trace"].get("aiprof_agent_threads_dropped") or []
+    a = rt.annotations
+    steps = a["tid"][a.strings("name").isin_labels(lambda s: s.startswith("ProfilerStep#"))]
+    assert len(steps) and set(steps.tolist()).isdisjoint(dropped)
+    assert any("get_batch" in n for n in rt.python["name"])

@@ -96,7 +96,7 @@ def _check_overview(page, served, rank: int) -> None:
     assert page.inner_text("#kpi-max") == us(s["step_max_us"])
     assert page.inner_text("#kpi-busy") == pct(s["gpu_busy_pct"])
     assert page.inner_text("#kpi-sync") == us(s["sync_us"])
-    assert page.inner_text("#kpi-mfu") == (pct(fl["mfu_pct"]) if fl["mfu_pct"] is not None else "n/a")
+    assert page.inner_text("#kpi-mfu") == (pct(fl["mfu_pct"]) if fl["mfu_pct"] is not None else "—")
     assert page.inner_text("#kpi-launches") == str(rr["rows"]["kernels"]) == str(rr["activity"]["kernels"]["count"])
     assert page.inner_text("#kpi-distinct") == str(rr["kernels_other"]["distinct"])
     assert page.inner_text("#kpi-ktime") == us(ka["gpu_time_us"])

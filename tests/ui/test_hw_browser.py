@@ -83,9 +83,11 @@ def test_cpu_panels_show_the_hw_table(page, hw_app):
     assert [p[0] for p in cpu] == pytest.approx(((ts - w["start_ns"]) / 1e6).tolist())
     assert [p[1] for p in prc] == pytest.approx(h["value"][psel].tolist())
     assert max(p[1] for p in prc) > 100 or opt["yAxis"][1].get("max") is None  # not capped at 100 %
-    # no FLOPs in this capture (no record_shapes): MFU says so instead of 0 %
-    assert hw_app.report["ranks"][0]["flops"]["mfu_pct"] is None
-    assert page.inner_text("#kpi-mfu") == "n/a" and "capture with --what flops" in page.inner_text("#kpi-mfu-note")
+    # no FLOPs in this capture (no record_shapes) and no GPU: MFU says so instead of 0 %
+    fl = hw_app.report["ranks"][0]["flops"]
+    assert fl["mfu_pct"] is None and fl["total_flops"] is None and fl["flops_reason"] == "shapes not recorded: add --what shapes"
+    assert page.inner_text("#kpi-mfu") == "—" and fl["mfu_reason"] in page.inner_text("#kpi-mfu-note")
+    assert page.inner_text("#kpi-device") == "CPU only" and page.inner_text("#kpi-busy") == "—"
     assert "No GPU samples" in page.inner_text("#p-gpu-util")  # CPU machine: no NVML, and the page says so
     # Timeline: the hardware counter tracks hold the samples (at full view every sample is a column)
     open_page(page, hw_app.url, "timeline")

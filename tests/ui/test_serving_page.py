@@ -29,6 +29,9 @@ def test_serving_page_draws_the_report(page, gen_app):
     open_page(page, gen_app.url, "serving")
     assert page.inner_text("#kpi-tokens") == str(sv["tokens_out"]) == "24"
     assert page.inner_text("#kpi-tps") == f"{sv['tokens_per_s']:.1f}"
+    iv, note = sv["interval"], page.inner_text("#kpi-tps-interval")
+    assert note.startswith("tokens/s in the captured window: ") and iv["whole_run_reason"] in note
+    assert f"({iv['duration_us'] / 1000:.2f} of {iv['capture_duration_us'] / 1000:.2f} ms)" in note
     hist = {s["name"]: s["data"] for s in _option(page, "serving-hist")["series"]}
     assert hist == sv["histogram"]["counts"] and sum(hist["decode"]) == 23 and sum(hist["prefill"]) == 1
     share = {d["name"]: d["value"] for d in _option(page, "serving-share")["series"][0]["data"]}

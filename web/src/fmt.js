@@ -20,6 +20,11 @@ export function bytes(v) {
   return (v < 0 ? '-' : '') + x.toFixed(i ? 2 : 0) + ' ' + u[i];
 }
 
+// A figure the capture cannot give (the report says why beside it): never shown as 0.
+export const UNKNOWN = '—';
+// report/text.py device_label(): the GPU's model, "CPU only" for a capture with no GPU.
+export const deviceLabel = (dev) => (dev.kind === 'cpu' ? 'CPU only' : dev.name || 'GPU (model not recorded)');
+
 export const short = (s, n = 70) => (s && s.length > n ? s.slice(0, n - 1) + '…' : s || '');
 
 // An element holding s as text: for APIs that set a string as innerHTML (Tabulator's tooltips), so

@@ -1,7 +1,7 @@
 import './style.css';
 import { api, STATIC } from './api.js';
 import { disposeAll } from './charts.js';
-import { esc, kernelName, elide, kernelLabels } from './fmt.js';
+import { esc, kernelName, elide, kernelLabels, deviceLabel } from './fmt.js';
 import overview from './pages/overview.js';
 import steps from './pages/steps.js';
 import ranks from './pages/ranks.js';
@@ -75,7 +75,7 @@ async function boot() {
   });
   const r0 = state.meta.ranks[0];
   document.getElementById('capture-info').textContent =
-    `${state.meta.ranks.length} rank(s) · ${r0.device.name || 'no GPU'} · ${r0.source.split('/').pop()}${STATIC ? ' · static report' : ''}`;
+    `${state.meta.ranks.length} rank(s) · ${deviceLabel(r0.device)} · ${r0.source.split('/').pop()}${STATIC ? ' · static report' : ''}`;
   window.addEventListener('hashchange', render);
   await render();
 }

@@ -12,13 +12,12 @@ import numpy as np
 
 from aiprof.analysis.intervals import Union, union, union_of
 from aiprof.analysis.launch import launch_ts
+from aiprof.analysis.loading import loading_union
 from aiprof.analysis.steps import Steps
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
-_DATALOADER_PREFIXES = ("enumerate(DataLoader)", "DataLoader")
-_DATALOADER_PY = ("dataloader.py", "__next__")
 
 
 @dataclass
@@ -41,7 +40,7 @@ class StepBreakdown:
     gpu_time_launched_us: float  # summed durations of GPU work launched in this step
     runtime_us: float  # host time inside CUDA runtime/driver calls
     sync_us: float  # host time inside synchronising calls
-    dataloader_us: float  # host time in visible data loading (see docs)
+    dataloader_us: float  # the training thread's time in data loading (analysis.loading, docs)
 
 
 @dataclass
@@ -84,22 +83,6 @@ def _host_sums(rt: RankTrace, steps: Steps) -> tuple[np.ndarray, np.ndarray]:
     return rt_all, rt_sync
 
 
-def dataloader_union(rt: RankTrace) -> Union:
-    """Union of host intervals spent visibly loading data (DataLoader annotations/frames)."""
-    starts, ends = [], []
-    for name, pred in (("annotations", lambda s: s.startswith(_DATALOADER_PREFIXES)),
-                       ("ops", lambda s: s.startswith(_DATALOADER_PREFIXES)),
-                       ("python", lambda s: all(p in s for p in _DATALOADER_PY))):
-        t = rt.table(name)
-        if len(t):
-            mask = t.strings("name").isin_labels(pred)
-            starts.append(t["ts"][mask])
-            ends.append((t["ts"] + t["dur"])[mask])
-    if not starts:
-        return union(np.zeros(0), np.zeros(0))
-    return union(np.concatenate(starts), np.concatenate(ends))
-
-
 def step_breakdown(rt: RankTrace, steps: Steps) -> list[StepBreakdown]:
     """The breakdown of every step of ``rt``."""
     u = gpu_unions(rt)
@@ -111,7 +94,7 @@ def step_breakdown(rt: RankTrace, steps: Steps) -> list[StepBreakdown]:
     comm_tot = u.comm.covered(a, b)
     mem_tot = u.memory.covered(a, b)
     mem_or_comp = union_of(u.compute, u.memory).covered(a, b)
-    dl = dataloader_union(rt).covered(a, b)
+    dl = loading_union(rt).covered(a, b)
     rt_all, rt_sync = _host_sums(rt, steps)
 
     launched = np.zeros(len(steps), dtype=np.int64)

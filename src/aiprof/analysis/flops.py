@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from aiprof import npx
+from aiprof.protocol import WHAT_LEVELS
 from aiprof.trace.store import RankTrace
 
 # Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheets, per GPU model and
@@ -26,6 +27,16 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 # Model-FLOP convention for attention backward: two matmuls forward, four backward.
 ATTENTION_BACKWARD_FACTOR = 2.0
+# Why a figure is unknown (the report shows "—" and this, never 0). FLOPs are estimated from the
+# input shapes (protocol level "shapes": record_shapes) or read from torch's count ("flops").
+_SHAPES, _FLOPS = "shapes", "flops"
+assert _SHAPES in WHAT_LEVELS and _FLOPS in WHAT_LEVELS
+NO_OPS = "no host ops recorded (FLOPs are counted on torch ops)"
+NO_SHAPES = f"shapes not recorded: add --what {_SHAPES}"
+NO_MATMULS = "no matmul or attention op in the steps (the only ops whose FLOPs are counted)"
+NO_STEPS = "no steps"
+CPU_ONLY = "CPU only: MFU is against a GPU's peak"
+NO_PEAK = "no peak known for {device} at {precision} (docs/metrics.md lists the GPUs)"
 _LEAF_MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")
 
 
@@ -95,23 +106,40 @@ def _wrapper_rows(rt: RankTrace, leaf: np.ndarray) -> np.ndarray:
 @dataclass
 class FlopsAnalysis:
     source: str  # "trace" (with_flops), "shapes" (estimated from record_shapes), "none"
-    total_flops: float
+    total_flops: float | None  # None: unknown (flops_reason says why)
     by_op: list[dict]  # [{"op","calls","flops"}]
-    per_step: list[dict]  # [{"step","flops","tflops_per_s","mfu_pct"}]
+    per_step: list[dict]  # [{"step","flops","tflops_per_s","mfu_pct"}]; None where unknown
     precision: str
     peak_tflops: float | None
     device: str
     tflops_per_s: float | None = None  # median over the steps (None: no FLOPs)
     mfu_pct: float | None = None  # median over the steps (None: no FLOPs, or no peak for this GPU)
+    flops_reason: str | None = None  # why the FLOPs are unknown (None: known)
+    mfu_reason: str | None = None  # why the MFU is unknown (None: known)
 
 
-def flops_analysis(rt: RankTrace, steps, precision: str = "bf16") -> FlopsAnalysis:
-    """FLOPs per op and per step; MFU = achieved / peak at ``precision`` on this device."""
+def _mfu_reason(gpu: bool, device: str, precision: str, peak: float | None) -> str | None:
+    if not gpu:
+        return CPU_ONLY
+    return NO_PEAK.format(device=device or "this GPU (model not recorded)", precision=precision) if not peak else None
+
+
+def _unknown(why: str, steps, precision: str, peak: float | None, dev: str, gpu: bool) -> FlopsAnalysis:
+    """FLOPs (and so MFU) unknown: null figures with the reason, never 0."""
+    per = [{"step": int(n), "flops": None, "tflops_per_s": None, "mfu_pct": None} for n in steps.number] \
+        if steps is not None and len(steps) else []
+    return FlopsAnalysis("none", None, [], per, precision, peak, dev, flops_reason=why,
+                         mfu_reason=why if gpu else CPU_ONLY)
+
+
+def flops_analysis(rt: RankTrace, steps, precision: str = "bf16", gpu: bool = True) -> FlopsAnalysis:
+    """FLOPs per op and per step; MFU = achieved / peak at ``precision`` on this device (``gpu``:
+    the rank ran GPU work). What cannot be known is None with its reason, never 0."""
     o = rt.ops
     dev = rt.device_name
-    peak = peak_tflops(dev, precision)
+    peak = peak_tflops(dev, precision) if gpu else None
     if not len(o):
-        return FlopsAnalysis("none", 0.0, [], [], precision, peak, dev)
+        return _unknown(NO_OPS, steps, precision, peak, dev, gpu)
     names = o.strings("name")
     f = o["flops"] if "flops" in o else np.full(len(o), np.nan)
     have = ~np.isnan(f)
@@ -121,8 +149,10 @@ def flops_analysis(rt: RankTrace, steps, precision: str = "bf16") -> FlopsAnalys
         source = "shapes"
         leaf = names.isin_labels(lambda s: s in _LEAF_MATMULS or (s.startswith("aten::_scaled_dot_product")
                                                                   and "attention" in s))
-        if not leaf.any() or "input_dims" not in o:
-            return FlopsAnalysis("none", 0.0, [], [], precision, peak, dev)
+        if "input_dims" not in o or not o.strings("input_dims").isin_labels(lambda s: s not in ("", "[]")).any():
+            return _unknown(NO_SHAPES, steps, precision, peak, dev, gpu)
+        if not leaf.any():
+            return _unknown(NO_MATMULS, steps, precision, peak, dev, gpu)
         leaf &= ~_wrapper_rows(rt, leaf)
         dims = o.strings("input_dims")
         key = names.codes[leaf].astype(np.int64) * (len(dims.labels) + 1) + dims.codes[leaf]
@@ -150,4 +180,5 @@ def flops_analysis(rt: RankTrace, steps, precision: str = "bf16") -> FlopsAnalys
     tf = [s["tflops_per_s"] for s in per_step if s["flops"] > 0]
     mfu = [s["mfu_pct"] for s in per_step if s["flops"] > 0 and s["mfu_pct"] is not None]
     return FlopsAnalysis(source, float(f.sum()), by_op, per_step, precision, peak, dev,
-                         float(np.median(tf)) if tf else None, float(np.median(mfu)) if mfu else None)
+                         float(np.median(tf)) if tf else None, float(np.median(mfu)) if mfu else None,
+                         mfu_reason=(_mfu_reason(gpu, dev, precision, peak) or NO_MATMULS) if not mfu else None)

@@ -21,6 +21,8 @@ from aiprof.analysis.breakdown import gpu_unions
 from aiprof.analysis.comm import exposed_by_type
 from aiprof.analysis.intervals import Union, union, union_of
 from aiprof.analysis.launch import launch_rows
+from aiprof.analysis.loading import STEP_ANNOTATION as _STEP_ANNOTATION
+from aiprof.analysis.loading import is_data_loading, is_library_frame, loading_union, main_tid  # noqa: F401 (re-exported)
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
@@ -30,29 +32,6 @@ PYTHON, OP, RUNTIME, ANNOTATION = 0, 1, 2, 3
 KIND_NAMES = ("python", "op", "runtime", "annotation")
 # Improperly nested events (clock rounding) are clipped to their parent; a few rounds suffice.
 _MAX_CLIP_ROUNDS = 8
-# Frames from these places are library code: the "user site" of an event is the nearest
-# ancestor frame that is none of these.
-_LIBRARY_PREFIXES = ("torch/", "transformers/", "accelerate/", "deepspeed/", "triton/", "numpy/",
-                     "threading.py", "contextlib.py", "functools.py", "<built-in", "nn.Module:",
-                     "tqdm/", "lightning/", "pytorch_lightning/", "apex/", "megatron/", "vllm/",
-                     "importlib", "runpy.py", "<frozen", "site-packages/", "dist-packages/")
-# Host names that mean "loading input": DataLoader iteration, get_batch-like user functions.
-_DATA_LOADING_WORDS = ("get_batch", "next_batch", "load_batch", "fetch_batch", "collate",
-                       "dataloader", "__getitem__", "_next_data", "read_batch")
-_STEP_ANNOTATION = "ProfilerStep#"
-
-
-def is_library_frame(name: str) -> bool:
-    """True for frames of torch, common ML libraries, the standard library, C builtins."""
-    return name.startswith(_LIBRARY_PREFIXES) or "site-packages/" in name or "/lib/python" in name
-
-
-def is_data_loading(name: str) -> bool:
-    """True for host events that load input (DataLoader iteration or a get_batch-like function)."""
-    n = name.lower()
-    if n.startswith("enumerate(dataloader)"):
-        return True
-    return any(w in n for w in _DATA_LOADING_WORDS)
 
 
 @dataclass
@@ -207,22 +186,6 @@ def analysis_cache(rt: RankTrace) -> dict:
     return rt.__dict__.setdefault("_analysis_cache", {})
 
 
-def main_tid(rt: RankTrace) -> int:
-    """The thread that runs the training loop: the one with ProfilerStep annotations, else the
-    one with most Python frames / ops."""
-    a = rt.annotations
-    if len(a):
-        m = a.strings("name").isin_labels(lambda s: s.startswith(_STEP_ANNOTATION)) & ~a["gpu"]
-        if m.any():
-            return int(a["tid"][m][0])
-    for name in ("python", "ops", "runtime"):
-        t = rt.table(name)
-        if len(t):
-            vals, counts = npx.unique(t["tid"], return_counts=True)
-            return int(vals[np.argmax(counts)])
-    return -1
-
-
 def host_tree(rt: RankTrace) -> HostTree:
     """Build the host call trees of ``rt`` (cached on the rank object)."""
     cache = analysis_cache(rt)
@@ -331,20 +294,11 @@ def _point_in(u: Union, t: np.ndarray) -> np.ndarray:
     return (i >= 0) & (t < u.end[np.maximum(i, 0)])
 
 
-def loading_union(rt: RankTrace, tree: HostTree) -> Union:
-    """Main-thread intervals inside a data-loading event (see :func:`is_data_loading`)."""
-    if not len(tree):
-        return union(np.zeros(0), np.zeros(0))
-    ok_code = np.array([is_data_loading(s) for s in tree.labels] + [False], dtype=bool)
-    m = ok_code[tree.code] & (tree.tid == tree.main_tid)
-    return union(tree.start[m], tree.end[m])
-
-
 def gpu_gaps(rt: RankTrace, steps: Steps, tree: HostTree | None = None, busy: Union | None = None) -> Gaps:
     """Cut every step's GPU-idle time into segments attributed to the host's innermost event."""
     tree = tree or host_tree(rt)
     busy = busy if busy is not None else gpu_busy(rt)
-    load = loading_union(rt, tree)
+    load = loading_union(rt)
     if not len(steps):
         z = np.zeros(0, dtype=np.int64)
         return Gaps(z, z, z, z, z.astype(bool))

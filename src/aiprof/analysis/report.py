@@ -17,7 +17,7 @@ from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
 from aiprof.analysis.comm import comm_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
-from aiprof.analysis.hotspots import Gaps, HostTree, gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
+from aiprof.analysis.hotspots import HOST_CLASSES, Gaps, HostTree, gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
 from aiprof.analysis.counters import CounterAnalysis, counter_analysis
 from aiprof.analysis.kernels import (
     KernelAnalysis,
@@ -70,15 +70,18 @@ class RankReport:
     native: dict | None = None  # analysis.native.NativeAnalysis: library calls, NCCL joins, syscalls
 
 
-def _device(rt: RankTrace) -> dict:
+def _device(rt: RankTrace, gpu: bool) -> dict:
+    """The rank's device: ``kind`` "gpu" when the trace names a GPU or ran GPU work, "cpu" when
+    neither (a CPU-only capture); ``name`` "" when the trace does not name it."""
     props = rt.meta.get("device_properties") or []
     dev = rt.meta.get("device")
     for p in props:
         if dev is None or p.get("id") == dev:
-            return {"id": p.get("id"), "name": p.get("name", ""), "sms": p.get("numSms"),
+            return {"id": p.get("id"), "name": p.get("name", ""), "kind": "gpu", "sms": p.get("numSms"),
                     "memory_bytes": p.get("totalGlobalMem"),
                     "compute_capability": f"{p.get('computeMajor', '?')}.{p.get('computeMinor', '?')}"}
-    return {"id": dev, "name": "", "sms": None, "memory_bytes": None, "compute_capability": ""}
+    return {"id": dev, "name": "", "kind": "gpu" if gpu else "cpu", "sms": None, "memory_bytes": None,
+            "compute_capability": ""}
 
 
 def summarize(steps: list[StepBreakdown]) -> dict:
@@ -119,7 +122,7 @@ class RankAnalyses:
     kernels: KernelAnalysis
     comm: CommAnalysis
     has_gpu: bool
-    host_idle_by_class: dict  # analysis.hotspots classes: GPU-idle time per host class
+    host_idle_by_class: dict  # analysis.hotspots HOST_CLASSES: GPU-idle time per host class (µs)
     serving: ServingAnalysis | None
     counters: CounterAnalysis | None
 
@@ -133,7 +136,9 @@ def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15) -> tupl
     gpu = has_gpu(rt)
     gaps = gpu_gaps(rt, steps, tree, gpu_busy(rt)) if gpu else gpu_gaps(rt, Steps(steps.number[:0], steps.start[:0], steps.end[:0], steps.source), tree)
     hs = hotspots(rt, steps, top=top)
-    classes = {c.cls: c.time_us for c in hs.classes}
+    # the GPU-idle time by host class (the host classes add up to the idle time; the gpu: classes
+    # are busy time, no part of it)
+    classes = {c.cls: c.time_us for c in hs.classes if c.cls in HOST_CLASSES}
     ka = kernel_analysis(rt, len(steps), top)
     ra = runtime_analysis(rt, steps, top=top)
     ca = comm_analysis(rt, int(steps.start.min()), int(steps.end.max())) if len(steps) else comm_analysis(rt)
@@ -141,14 +146,14 @@ def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15) -> tupl
     if precision in ("unknown", ""):
         known = {k: v for k, v in ka.precision_us.items() if k != "unknown"}
         precision = max(known, key=known.get) if known else "bf16"
-    fa = flops_analysis(rt, steps, precision)
+    fa = flops_analysis(rt, steps, precision, gpu)
     ma = memory_from_trace(rt, _step_of(steps), top=10)
     sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
     stats = kernel_stats(rt)
     sv = serving_analysis(rt, steps, breakdown)
     hwc = counter_analysis(rt, [f["family"] for f in ka.families])
     rep = RankReport(
-        rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt),
+        rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt, gpu),
         step_source=steps.source,
         window={"start_ns": lo, "end_ns": hi, "duration_us": (hi - lo) / 1000.0},
         steps=breakdown, summary=summarize(breakdown), top_kernels=stats[:top],

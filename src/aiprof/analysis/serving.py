@@ -29,7 +29,7 @@ import numpy as np
 from aiprof.analysis.breakdown import StepBreakdown
 from aiprof.analysis.intervals import union
 from aiprof.analysis.iterations import has_backward, module_units
-from aiprof.analysis.steps import Steps
+from aiprof.analysis.steps import Steps, window
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
@@ -39,6 +39,12 @@ _SAMPLING_OPS = ("aten::argmax", "aten::multinomial", "aten::topk", "aten::softm
 _ATTENTION_OPS = ("aten::scaled_dot_product_attention",)
 # The iteration-time histogram has this many bins (shared by all phases so they stack).
 HIST_BINS = 20
+# Why the report has no whole-run tokens/s beside the window's (docs/metrics.md "Serving"): the agent
+# times and counts the iterations outside the captured window, never their tokens.
+WHOLE_RUN_AGENT = ("the aiprof agent counted {seen} iterations of the run but no tokens outside the captured "
+                   "window: this rate is the window's, not the run's")
+WHOLE_RUN_NO_AGENT = ("no aiprof agent record of the run beside this trace: this rate is the captured window's, "
+                      "not the run's")
 # tokens/s over time: the window is cut into at most this many bins.
 THROUGHPUT_BINS = 40
 
@@ -215,6 +221,29 @@ def serving_analysis(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown]
     model = mu.source.split(":", 1)[1] if mu is not None else ""
     out = ServingAnalysis(model=model, vocab=int(vocab), shapes=bool(shapes), iterations=iters)
     out.summary = summarize(iters, rt_has_gpu=bool(len(rt.kernels)))
+    if out.summary:
+        out.summary["interval"] = rate_interval(rt, out.summary["interval"])
+    return out
+
+
+def rate_interval(rt: RankTrace, iv: dict) -> dict:
+    """The interval tokens/s covers: the model's iterations inside the captured window, placed in
+    the capture (offsets from its first event, wall-clock times where the agent aligned the
+    clocks), and the whole run's rate where something saw it (else null, with why)."""
+    lo, hi = window(rt)
+    # the capture holds its iterations (a step window may end a nanosecond past the last event)
+    lo, hi = min(lo, iv["start_ns"]), max(hi, iv["end_ns"])
+    agent = rt.meta.get("capture") or {}
+    clock = agent.get("clock") or {}
+    seen = (agent.get("steps") or {}).get("seen_total")
+    off = clock.get("trace_minus_unix_us")
+    out = dict(iv, covers="captured window", capture_duration_us=(hi - lo) / NS_PER_US,
+               from_capture_start_us=(iv["start_ns"] - lo) / NS_PER_US,
+               to_capture_start_us=(iv["end_ns"] - lo) / NS_PER_US,
+               start_unix_ns=int(iv["start_ns"] - off * NS_PER_US) if off is not None else None,
+               end_unix_ns=int(iv["end_ns"] - off * NS_PER_US) if off is not None else None,
+               whole_run_tokens_per_s=None,
+               whole_run_reason=WHOLE_RUN_AGENT.format(seen=seen) if seen is not None else WHOLE_RUN_NO_AGENT)
     return out
 
 
@@ -233,6 +262,14 @@ def _phase(tin: int, tout: int, batch: int, tq: int, kv: int) -> str:
 
 def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if len(a) else 0.0
+
+
+def _interval(iters: list[ServingIteration], busy: np.ndarray, span_us: float) -> dict:
+    """The span tokens/s covers, in exact integer ns (float64 loses nanoseconds at epoch-scale
+    trace clocks): first start to last end of the model's iterations (of all, when none ran it)."""
+    its = [x for x, b in zip(iters, busy) if b] or iters
+    return {"start_ns": min(x.start_ns for x in its),
+            "end_ns": max(x.start_ns + round(x.duration_us * NS_PER_US) for x in its), "duration_us": span_us}
 
 
 def summarize(iters: list[ServingIteration], rt_has_gpu: bool = True) -> dict:
@@ -284,6 +321,8 @@ def summarize(iters: list[ServingIteration], rt_has_gpu: bool = True) -> dict:
         "tokens_in": int(tin.sum()),
         "tokens_out": int(tout.sum()),
         "span_us": span_us,
+        # what tokens_per_s covers (completed by rate_interval): first to last model iteration
+        "interval": _interval(iters, busy_it, span_us),
         "tokens_per_s": float(tout.sum() / (span_us / 1e6)) if tout.sum() else 0.0,
         "iteration_median_us": float(np.median(dur)),
         "by_phase": by_phase,

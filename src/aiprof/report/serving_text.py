@@ -1,12 +1,22 @@
 """Terminal rendering of a rank's serving section (analysis/serving.py). Computes nothing."""
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from rich.console import Console
 from rich.table import Table
 
 
+UNKNOWN = "—"  # report/text.py UNKNOWN: a figure the capture cannot give, with its reason
+
+
 def _ms(us: float) -> str:
     return f"{us / 1000.0:,.2f}"
+
+
+def _utc(unix_ns: int) -> str:
+    """A wall-clock instant (formatting only)."""
+    return datetime.fromtimestamp(unix_ns / 1e9, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
 def render_serving(console: Console, rank: dict) -> None:
@@ -21,6 +31,15 @@ def render_serving(console: Console, rank: dict) -> None:
                   f"{s['tokens_per_s']:,.1f} tokens/s over {_ms(s['span_us'])} ms"
                   + ("" if sv.get("shapes") else " (no input shapes recorded: capture with --what shapes for "
                                                  "tokens and phases)"))
+    iv = s.get("interval")
+    if iv:
+        run = iv.get("whole_run_tokens_per_s")
+        console.print(f"tokens/s interval: the {iv['covers']}, its first to last model iteration, "
+                      f"{_ms(iv['from_capture_start_us'])}–{_ms(iv['to_capture_start_us'])} ms after the capture's "
+                      f"first event ({_ms(iv['duration_us'])} of {_ms(iv['capture_duration_us'])} ms)"
+                      + (f", {_utc(iv['start_unix_ns'])} to {_utc(iv['end_unix_ns'])} UTC" if iv.get("start_unix_ns") else "")
+                      + (f" · whole run: {run:,.1f} tokens/s" if run is not None else
+                         f" · whole run: {UNKNOWN} ({iv['whole_run_reason']})"))
     b, itl = s["batch"], s["inter_token_us"]
     extra = []
     if s.get("gpu_busy_pct") is not None:

@@ -71,12 +71,13 @@ def _steps_table(rank: dict) -> Table:
         for s in rank["steps"]:
             t.add_row(str(s["step"]), _ms(s["duration_us"]), _ms(s["dataloader_us"]))
         return t
-    for col in ("step", "duration", "compute", "comm (exposed)", "memory", "idle", "GPU busy", "runtime", "sync", "launches"):
+    for col in ("step", "duration", "compute", "comm (exposed)", "memory", "idle", "GPU busy", "runtime", "sync",
+                "data loading", "launches"):
         t.add_column(col, justify="right")
     for s in rank["steps"]:
         t.add_row(str(s["step"]), _ms(s["duration_us"]), _ms(s["compute_us"]), _ms(s["communication_us"]),
                   _ms(s["memory_us"]), _ms(s["idle_us"]), f"{s['gpu_busy_pct']:.1f}%", _ms(s["runtime_us"]),
-                  _ms(s["sync_us"]), str(s["kernels_launched"]))
+                  _ms(s["sync_us"]), _ms(s["dataloader_us"]), str(s["kernels_launched"]))
     return t
 
 
@@ -200,7 +201,7 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
     for r in ranks[:_MAX_RANK_DETAIL]:
         dev = r["device"]
         s = r["summary"]
-        console.print(Text(f"Rank {r['rank']} · {dev.get('name') or 'unknown device'} · {r['source']}", style="bold cyan"))
+        console.print(Text(f"Rank {r['rank']} · {device_label(dev)} · {r['source']}", style="bold cyan"))
         if s and not _has_gpu(r):
             console.print(f"window {_ms(r['window']['duration_us'])} ms · {s['steps']} step(s), median "
                           f"{_ms(s['step_median_us'])} ms · no GPU activity in this capture (CPU only): no GPU breakdown")
@@ -362,19 +363,38 @@ def _facts_lines(console: Console, rank: dict) -> None:
     if ld.get("count"):
         console.print(f"launch → GPU start: p50 {ld['p50']:.1f} µs · p90 {ld['p90']:.1f} µs · max {ld['max']:.1f} µs")
     f = rank.get("flops") or {}
-    if f.get("per_step"):
-        tf = [s["tflops_per_s"] for s in f["per_step"]]
-        mfu = [s["mfu_pct"] for s in f["per_step"] if s["mfu_pct"] is not None]
-        mid = sorted(tf)[len(tf) // 2]
-        console.print(f"FLOPs ({f['source']}): {f['total_flops'] / 1e12:.2f} TFLOP over the steps · median step "
-                      f"{mid:.1f} TFLOP/s" + (f" · MFU {sorted(mfu)[len(mfu) // 2]:.1f}% of {f['peak_tflops']:.0f} "
-                                              f"TFLOP/s {f['precision']}" if mfu else ""))
+    if f.get("per_step") or f.get("flops_reason"):
+        console.print(flops_line(f))
     m = rank.get("memory") or {}
     if m.get("peak_allocated_bytes"):
         tops = ", ".join(f"{a['where']} {a['bytes'] / 2**30:.1f} GiB" for a in (m.get("top_allocators") or [])[:3])
         console.print(f"memory: peak allocated {m['peak_allocated_bytes'] / 2**30:.2f} GiB"
                       + (f" (step {m['peak_step']})" if m.get("peak_step") is not None else "")
                       + f" · peak reserved {m['peak_reserved_bytes'] / 2**30:.2f} GiB · most allocated by {tops}")
+
+
+UNKNOWN = "—"  # a figure the capture cannot give: shown with its reason, never as 0
+
+
+def flops_line(f: dict) -> str:
+    """FLOPs and MFU (analysis.flops: medians over the steps with FLOPs); unknown as "—" with why."""
+    if f.get("total_flops") is None:
+        out = f"FLOPs {UNKNOWN} ({f.get('flops_reason') or 'unknown'})"
+    else:
+        tf = f.get("tflops_per_s")
+        out = (f"FLOPs ({f['source']}): {f['total_flops'] / 1e12:.2f} TFLOP over the steps · median step "
+               + (f"{tf:.1f} TFLOP/s" if tf is not None else UNKNOWN))
+    if f.get("mfu_pct") is not None:
+        return out + f" · MFU {f['mfu_pct']:.1f}% of {f['peak_tflops']:.0f} TFLOP/s {f['precision']}"
+    why = f.get("mfu_reason")
+    return out + f" · MFU {UNKNOWN}" + (f" ({why})" if why and why != f.get("flops_reason") else "")
+
+
+def device_label(dev: dict) -> str:
+    """The device line's name: the GPU's model, "CPU only" for a capture with no GPU."""
+    if dev.get("kind") == "cpu":
+        return "CPU only"
+    return dev.get("name") or "GPU (model not recorded)"
 
 
 def render_diagnosis(console: Console, rank: dict) -> None:

@@ -178,7 +178,8 @@ class CaptureData:
             "precision_us": rr["kernels"].get("kernel_precision_us", {}),
             "precision_source_us": rr["kernels"].get("kernel_precision_source_us", {}),
             "flops": {key: (rr.get("flops") or {}).get(key) for key in
-                      ("source", "total_flops", "tflops_per_s", "mfu_pct", "precision", "peak_tflops")},
+                      ("source", "total_flops", "tflops_per_s", "mfu_pct", "precision", "peak_tflops",
+                       "flops_reason", "mfu_reason")},
             "activity": act,
             "memops": memops,
             "annotations": timeseries.annotation_names(rt)[:200],

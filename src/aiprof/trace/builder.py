@@ -613,13 +613,17 @@ def drop_agent_threads(py: Table) -> tuple[Table, list[int]]:
 
     rows = np.nonzero(is_agent)[0]
     cur = parent_row(rows)
+    # the agent frame sits under a threading.py frame (torch's tracer loses parent ids after the
+    # profiler stops: an agent frame with no parent, the step hook's on the training thread, is
+    # no thread entry)
+    under_entry = (cur >= 0) & is_entry[np.maximum(cur, 0)]
     # climb through threading.py frames; an agent frame whose chain ends at the root is a thread entry
     for _ in range(8):
         climb = (cur >= 0) & is_entry[np.maximum(cur, 0)]
         if not climb.any():
             break
         cur = np.where(climb, parent_row(np.maximum(cur, 0)), cur)
-    agent_tids = npx.unique(py["tid"][rows[cur < 0]])
+    agent_tids = npx.unique(py["tid"][rows[(cur < 0) & under_entry]])
     if not len(agent_tids):
         return py, []
     return py.take(~np.isin(py["tid"], agent_tids)), agent_tids.tolist()

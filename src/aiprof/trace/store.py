@@ -40,8 +40,9 @@ from aiprof.trace.nativecsv import native_paths_for, read_native
 from aiprof.trace.kineto import TABLES, read_header, read_trace
 from aiprof.trace.table import Table
 
-STORE_VERSION = 5  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
-# durations; 4: the agent's meta.json beside the trace, for the unprofiled step time; 5: pm, calls, syscalls)
+STORE_VERSION = 6  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
+# durations; 4: the agent's meta.json beside the trace, for the unprofiled step time; 5: pm, calls, syscalls;
+# 6: a training thread whose frames lost their parent ids after the stop is no agent thread)
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # less JSON than this ingests in about a second: no bar

@@ -2,7 +2,7 @@
 // from /api/overview; nothing here computes a number the report does not hold.
 import { api, STATIC } from '../api.js';
 import { chart, PALETTE } from '../charts.js';
-import { esc, us, pct, bytes, short, h, kernelLabels } from '../fmt.js';
+import { esc, us, pct, bytes, short, h, kernelLabels, UNKNOWN, deviceLabel } from '../fmt.js';
 
 const SEV = { high: 'sev-high', medium: 'sev-medium', low: 'sev-low' };
 
@@ -82,20 +82,22 @@ export default async function overview(root, { rank }) {
   // the first annotation histogram is fetched while the charts are drawn
   const firstAnn = d.annotations.length && !STATIC ? api('annotation', { rank, name: d.annotations[0].name, bins: 15 }) : null;
   const ks = d.kernels, fl = d.flops || {};
-  const mfu = fl.mfu_pct != null ? pct(fl.mfu_pct) : 'n/a';
+  // unknown is "—" with the report's reason (analysis.flops), never 0
+  const mfu = fl.mfu_pct != null ? pct(fl.mfu_pct) : UNKNOWN;
   const mfuNote = fl.mfu_pct != null
     ? `MFU (median step, ${esc(fl.precision)} peak ${fl.peak_tflops} TFLOP/s${fl.source === 'shapes' ? ', FLOPs estimated from shapes' : ''})`
-    : (fl.total_flops ? `MFU: no peak known for this GPU (${(fl.tflops_per_s ?? 0).toFixed(1)} TFLOP/s)` : 'MFU — capture with <code>--what flops</code>');
+    : `MFU: ${esc(fl.mfu_reason || 'unknown')}${fl.tflops_per_s != null ? ` (${fl.tflops_per_s.toFixed(1)} TFLOP/s)` : ''}`;
+  const cpuOnly = d.device.kind === 'cpu';
   root.appendChild(h(`<div class="kpis" id="kpis">
     <div class="kpi"><b id="kpi-steps">${s.steps ?? 0}</b><span>steps (${esc(d.step_source)})</span></div>
     <div class="kpi"><b id="kpi-median">${us(s.step_median_us)}</b><span>median step</span></div>
     <div class="kpi"><b id="kpi-max">${us(s.step_max_us)}</b><span>slowest step</span></div>
-    <div class="kpi"><b id="kpi-busy">${pct(d.gpu.busy_pct)}</b><span>GPU busy, in steps</span></div>
+    <div class="kpi"><b id="kpi-busy">${cpuOnly ? UNKNOWN : pct(d.gpu.busy_pct)}</b><span>GPU busy, in steps${cpuOnly ? ' (CPU only: no GPU)' : ''}</span></div>
     <div class="kpi"><b id="kpi-mfu">${mfu}</b><span id="kpi-mfu-note">${mfuNote}</span></div>
     <div class="kpi"><b id="kpi-sync">${us(s.sync_us)}</b><span>host blocked in sync calls, in steps</span></div>
     <div class="kpi"><b id="kpi-launches">${ks.launches}</b><span>kernel launches, whole trace (<span id="kpi-distinct">${ks.distinct}</span> distinct)</span></div>
     <div class="kpi"><b id="kpi-ktime">${us(ks.total_us)}</b><span>GPU kernel time, whole trace</span></div>
-    <div class="kpi"><b>${esc(d.device.name || '–')}</b><span>rank ${d.rank}${d.host ? ' · ' + esc(d.host) : ''}</span></div>
+    <div class="kpi"><b id="kpi-device">${esc(deviceLabel(d.device))}</b><span>rank ${d.rank}${d.host ? ' · ' + esc(d.host) : ''}</span></div>
   </div>`));
   const grid = h('<div class="grid"></div>');
   root.appendChild(grid);

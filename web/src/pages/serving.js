@@ -2,7 +2,7 @@
 // numbers only: the histogram bins, the throughput series and the batch sizes come computed.
 import { api } from '../api.js';
 import { chart } from '../charts.js';
-import { esc, us, pct, h } from '../fmt.js';
+import { esc, us, pct, h, ms, UNKNOWN } from '../fmt.js';
 
 const PHASE_COLOR = { prefill: '#e15759', decode: '#4e79a7', mixed: '#b07aa1', idle: '#bab0ac', unknown: '#9c755f' };
 
@@ -10,6 +10,15 @@ function panel(grid, id, title, note = '') {
   const el = h(`<section class="panel" id="p-${id}"><h3>${esc(title)}</h3>${note ? `<div class="hint">${note}</div>` : ''}<div class="chart" id="c-${id}"></div></section>`);
   grid.appendChild(el);
   return el.querySelector('.chart');
+}
+
+// What the tokens/s covers (analysis/serving.py rate_interval): the captured window, and the whole
+// run's rate beside it where it was seen, else why not.
+function tpsInterval(iv) {
+  if (!iv) return 'tokens/s';
+  const run = iv.whole_run_tokens_per_s != null ? `whole run ${iv.whole_run_tokens_per_s.toFixed(1)} tokens/s`
+    : `whole run ${UNKNOWN}: ${esc(iv.whole_run_reason)}`;
+  return `tokens/s in the ${esc(iv.covers)}: ${ms(iv.from_capture_start_us)}–${ms(iv.to_capture_start_us)} ms after its first event (${ms(iv.duration_us)} of ${ms(iv.capture_duration_us)} ms) · ${run}`;
 }
 
 export default async function serving(root, { rank }) {
@@ -24,7 +33,7 @@ export default async function serving(root, { rank }) {
   const itl = s.inter_token_us;
   root.appendChild(h(`<div><h2>Serving <span class="hint">(${esc(sv.model || 'model')} · iterations from ${esc(d.step_source)}${d.step_within ? ' within ' + esc(d.step_within) : ''}${sv.shapes ? '' : ' · no input shapes: capture with --what shapes for tokens and phases'})</span></h2></div>`));
   root.appendChild(h(`<div class="kpis" id="serving-kpis">
-    <div class="kpi"><b id="kpi-tps">${s.tokens_per_s.toFixed(1)}</b><span>tokens/s</span></div>
+    <div class="kpi"><b id="kpi-tps">${s.tokens_per_s.toFixed(1)}</b><span id="kpi-tps-interval">${tpsInterval(s.interval)}</span></div>
     <div class="kpi"><b id="kpi-tokens">${s.tokens_out}</b><span>tokens generated (${s.tokens_in} processed)</span></div>
     <div class="kpi"><b id="kpi-iters">${s.busy_iterations}</b><span>iterations with the model (of ${s.iterations})</span></div>
     <div class="kpi"><b id="kpi-batch">${s.batch.median}</b><span>median batch (max ${s.batch.max})</span></div>

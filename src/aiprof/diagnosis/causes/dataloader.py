@@ -6,7 +6,9 @@ workers, the thread still waits when the workers produce batches slower than the
 them. A ``get_batch``-like function that does I/O or sleeps is the same mechanism.
 
 Evidence: GPU-idle time while the training thread is inside data loading (DataLoader
-iteration, ``__getitem__``, ``get_batch``-like functions). Fix priced: the loading leaves the
+iteration, ``__getitem__``, ``get_batch``-like functions: analysis.loading, the one definition,
+whose per-step figure is the steps table's "data loading"; a stall is read from that figure).
+Fix priced: the loading leaves the
 training thread (workers prefetch while the GPU computes), but a step cannot be shorter than
 the loading work divided among the workers suggested.
 """
@@ -16,7 +18,7 @@ import math
 
 import numpy as np
 
-from aiprof.analysis.hotspots import is_data_loading, is_library_frame
+from aiprof.analysis.loading import is_data_loading
 from aiprof.diagnosis.causes.common import (
     biggest_node,
     idle_claim,
@@ -40,14 +42,12 @@ STALL_MIN_STEPS = 3
 # a loaded host is no stall (the same floor as a slow step's, symptoms.SLOW_STEP_MIN_US).
 STALL_MIN_NS = 5_000_000
 _SINGLE = ("_SingleProcessDataLoaderIter", "_utils/fetch.py")
-_TORCH_DATA = ("torch/utils/data/", "enumerate(DataLoader)", "DataLoader")
 _MULTI = ("_MultiProcessingDataLoaderIter", "dataloader.py(1452): _get_data", "_try_get_data")
 
 
 def detect(f: RankFacts) -> list[Cause]:
-    # data loading: the DataLoader's own frames and the user's get_batch-like functions (a library's
-    # __getitem__, a transformers output or os.environ, is not input)
-    loading = f.node_mask(lambda s: is_data_loading(s) and (not is_library_frame(s) or s.startswith(_TORCH_DATA)))
+    # data loading (analysis.loading): the training thread's DataLoader frames and get_batch-like functions
+    loading = f.node_mask(is_data_loading) & (f.tree.tid == f.tree.main_tid) if len(f.tree) else np.zeros(0, bool)
     if not loading.any():
         return []
     roots = outermost(f, loading)
@@ -62,9 +62,10 @@ def detect(f: RankFacts) -> list[Cause]:
     base_other = max(f.step_ns - work, 1.0)
     workers = min(MAX_SUGGESTED_WORKERS, max(2, math.ceil(work / base_other) + 1))
     e.min_step_ns = work / workers
-    # a stall: the loading concentrated in a few steps (a slow read, a sleep, a cache miss)
-    u = f.union_of_nodes(roots)
-    per_step = u.covered(f.steps.start, f.steps.end).astype(float) if len(f.steps) else np.zeros(0)
+    # a stall: the loading concentrated in a few steps (a slow read, a sleep, a cache miss); per step,
+    # the breakdown's data loading (ns): the figure the steps table shows
+    per_step = np.array([b.dataloader_us * 1e3 for b in f.breakdown]) if len(f.breakdown) == len(f.steps) \
+        else f.union_of_nodes(roots).covered(f.steps.start, f.steps.end).astype(float)
     med = float(np.median(per_step)) if len(per_step) else 0.0
     stall = [int(n) for n, v in zip(f.steps.number, per_step)
              if v >= STALL_RATIO * max(med, 1.0) and v - med >= STALL_MIN_NS] if len(per_step) >= STALL_MIN_STEPS else []
@@ -104,7 +105,8 @@ def detect(f: RankFacts) -> list[Cause]:
                    "Input is produced on the training thread, between steps; the step cannot start until the "
                    "batch is ready."),
         remedy=remedy, place=Place("dataloader", fn, site, stack + inner, stall),
-        evidence={"loading_us_per_step": work / 1e3, "gpu_idle_us": idle / 1e3, "workers_suggested": workers,
+        evidence={"loading_us_per_step": float(per_step.mean()) / 1e3 if len(per_step) else 0.0,
+                  "offloaded_us_per_step": work / 1e3, "gpu_idle_us": idle / 1e3, "workers_suggested": workers,
                   "num_workers_zero": single, "waiting_for_workers": multi, "stall_steps": stall,
                   "function": fn, "per_step_loading_us": {int(n): float(v) / 1e3 for n, v in zip(f.steps.number, per_step)}},
         edit=e, region=region, claims=claims)]
