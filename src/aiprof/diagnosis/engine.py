@@ -22,6 +22,7 @@ from aiprof.diagnosis.facts import RankFacts, calibrate_host
 from aiprof.diagnosis.graph import RankCollectives, build_graph
 from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay
 from aiprof.diagnosis.model import (
+    HEALTHY_MAX_SHARE,
     MIN_REPORTED_SHARE,
     SLOW_STEP,
     Cause,
@@ -244,13 +245,17 @@ def baseline_entry(f: RankFacts, coupled: bool) -> dict:
 
 def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict]) -> dict:
     """The report's ``causes``, ``symptoms`` and ``baseline`` from every rank's priced causes and
-    symptoms (in rank order): small causes dropped, ranked by saving, numbered, linked to the
-    symptoms they explain. Needs no facts, so causes found on other machines assemble the same."""
-    causes = [c for c in causes if c.saving.get("share", 0.0) >= MIN_REPORTED_SHARE
-              or c.evidence.get("always_reported")]
-    causes.sort(key=lambda c: -c.saving.get("per_step_us", 0.0))
+    symptoms (in rank order): causes below the report floor kept apart (``minor``), the others
+    ranked by saving, numbered, linked to the symptoms they explain; and the one-line verdict. Needs no facts, so causes found on other machines assemble the same."""
+    listed = [c.saving.get("share", 0.0) >= MIN_REPORTED_SHARE or bool(c.evidence.get("always_reported"))
+              for c in causes]
+    minor = sorted((c for c, ok in zip(causes, listed) if not ok), key=_rank_key)
+    causes = sorted((c for c, ok in zip(causes, listed) if ok), key=_rank_key)
     for i, c in enumerate(causes):
         c.id = f"{c.code}@{'job' if c.rank is None else c.rank}#{i}"
+        c.severity = severity_of(c.saving.get("share", 0.0))
+    for i, c in enumerate(minor):
+        c.id = f"{c.code}@{'job' if c.rank is None else c.rank}#minor{i}"
         c.severity = severity_of(c.saving.get("share", 0.0))
     for i, s in enumerate(symptoms):
         s.id = f"{s.code}@{'job' if s.rank is None else s.rank}#{i}"
@@ -266,7 +271,36 @@ def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict])
         d = cause_dict(c)
         d["symptoms"] = c.__dict__.get("_symptoms", [])
         out_causes.append(d)
+    out_symptoms = [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE}
+                    for s in symptoms]
     return {"causes": out_causes,
-            "symptoms": [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE}
-                         for s in symptoms],
+            # below the report floor: kept for whoever wants them, not listed (docs/report.md)
+            "minor": [cause_dict(c) | {"symptoms": []} for c in minor],
+            "symptoms": out_symptoms,
+            "verdict": verdict(out_causes, out_symptoms),
             "baseline": baseline}
+
+
+def _rank_key(c: Cause) -> float:
+    """Causes are ranked by what their fix saves per step over the replayed window: the window's
+    total divided by its steps, so a stall in one step counts whole (its total), not as a share
+    of the step it happened in."""
+    return -c.saving.get("per_step_us", 0.0)
+
+
+def verdict(causes: list[dict], symptoms: list[dict]) -> dict:
+    """The report's one-line answer: is anything worth fixing? Healthy when no cause's fix saves
+    HEALTHY_MAX_SHARE of a step (docs/findings.md, "Ranking and severity")."""
+    big = [c for c in causes if c["saving"].get("share", 0.0) >= HEALTHY_MAX_SHARE]
+    orphans = sum(bool(s.get("orphan")) for s in symptoms)
+    tail = f"; {orphans} symptom(s) no cause explains, below" if orphans else ""
+    if big:
+        c = big[0]
+        who = "the job" if c["rank"] is None else f"rank {c['rank']}"
+        return {"healthy": False, "causes": len(big),
+                "line": f"{len(big)} cause(s) worth fixing; the first, {c['code']} on {who}, saves "
+                        f"{100 * c['saving']['share']:.1f}% of a step{tail}"}
+    low = (f" (the largest, {causes[0]['code']}, {100 * causes[0]['saving']['share']:.1f}%)" if causes else "")
+    return {"healthy": True, "causes": 0,
+            "line": f"Nothing to fix: no cause found would save {100 * HEALTHY_MAX_SHARE:.0f}% of a step"
+                    f"{low}{tail}"}

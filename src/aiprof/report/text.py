@@ -142,8 +142,11 @@ def _causes(console: Console, report: dict) -> None:
     """Causes first (ranked by saving), the symptoms each explains under it, then the symptoms
     no cause explains. Everything here is computed by aiprof.diagnosis."""
     causes = report.get("causes", [])
-    if not causes:
-        console.print(Text("Causes: none found (no fix would save 1% of a step)", style="green"))
+    verdict = report.get("verdict") or {}
+    if verdict.get("healthy") or not causes:
+        # a healthy job: one line (its small causes are in the JSON, docs/report.md "verdict")
+        console.print(Text(verdict.get("line") or "Causes: none found (no fix would save 1% of a step)", style="green"))
+        causes = []
     else:
         console.print(Text("Causes, by what fixing them saves (docs/findings.md)", style="bold"))
     for i, c in enumerate(causes, 1):
@@ -151,9 +154,18 @@ def _causes(console: Console, report: dict) -> None:
         sv = c.get("saving", {})
         who = "job" if c.get("rank") is None else f"rank {c['rank']}"
         step = sv.get("baseline_step_us") or 0.0
-        console.print(Text.assemble((f"{i}. [{c['severity']}] {c['code']}", sev), f" · {who} · saves ",
-                                    (f"{_ms(sv.get('per_step_us', 0.0))} ms per step", "bold"),
-                                    f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step)"))
+        one_off = (c.get("evidence") or {}).get("step")
+        in_step = (sv.get("by_step_us") or {}).get(str(one_off), (sv.get("by_step_us") or {}).get(one_off))
+        if one_off is not None and in_step is not None:
+            # a one-off (HOST_STALL): its loss is that step's; the share is of the averaged step
+            console.print(Text.assemble((f"{i}. [{c['severity']}] {c['code']}", sev), f" · {who} · saves ",
+                                        (f"{_ms(in_step)} ms in step {one_off}", "bold"),
+                                        f" ({_ms(sv.get('per_step_us', 0.0))} ms per step over the analysed steps, "
+                                        f"{100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step)"))
+        else:
+            console.print(Text.assemble((f"{i}. [{c['severity']}] {c['code']}", sev), f" · {who} · saves ",
+                                        (f"{_ms(sv.get('per_step_us', 0.0))} ms per step", "bold"),
+                                        f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step)"))
         console.print(f"   {c['title']}")
         place = c.get("place") or {}
         where = place.get("site") or place.get("name") or ""
@@ -163,6 +175,10 @@ def _causes(console: Console, report: dict) -> None:
         console.print(f"   fix:   {c['remedy']}")
         for sym in c.get("symptoms", [])[:4]:
             console.print(f"   explains: {sym['title']} — {_ms(sym['explained_us'] / max(_steps_of(report, sym), 1))} ms per step of it")
+    minor = report.get("minor") or []
+    if minor:
+        console.print(Text(f"({len(minor)} minor cause(s) below 1% of a step each: in the JSON report under \"minor\")",
+                           style="dim"))
     orphans = [s for s in report.get("symptoms", []) if s.get("orphan")]
     if orphans:
         console.print(Text("Symptoms no cause explains", style="bold"))

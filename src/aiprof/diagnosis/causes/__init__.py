@@ -20,6 +20,7 @@ from aiprof.diagnosis.causes import (
     host_preprocessing,
     host_sampling,
     host_scheduling,
+    host_stall,
     host_sync,
     idle_sms,
     kv_cache_copy,
@@ -51,6 +52,8 @@ REGISTRY: tuple[Detector, ...] = (
     host_preprocessing.DETECTOR,
     host_sampling.DETECTOR,
     host_scheduling.DETECTOR,
+    # after the causes that own host regions (a get_batch that sleeps is DATALOADER_STARVED's)
+    host_stall.DETECTOR,
     kv_cache_copy.DETECTOR,
     prefill_stall.DETECTOR,
     small_batch.DETECTOR,

@@ -86,6 +86,7 @@ def detect(f: RankFacts) -> list[Cause]:
         h2d_ops = set(f.tree.nearest(an[an >= 0], OP).tolist()) - {-1}
     groups: dict[tuple[str, str], list[int]] = {}
     stacks: dict[tuple[str, str], int] = {}
+    explicit_keys: set[tuple[str, str]] = set()  # a synchronize the script calls, not a read
     for k, (a, n, o) in enumerate(zip(waits, nodes, ops)):
         if int(o) in h2d_ops:
             continue
@@ -107,6 +108,8 @@ def detect(f: RankFacts) -> list[Cause]:
         key = (site, op or call)
         groups.setdefault(key, []).append(int(a))
         stacks.setdefault(key, int(n))
+        if explicit and not (op and is_scalar_read(op)):
+            explicit_keys.add(key)
     out = []
     per = max(len(f.steps), 1)
     for (site, what), acts in groups.items():
@@ -126,6 +129,13 @@ def detect(f: RankFacts) -> list[Cause]:
             remedy = (f"Keep the values on the GPU and copy them once per step: collect them with torch.stack(...) "
                       f"(or torch._foreach_norm for norms) and call .cpu()/.tolist() once, instead of "
                       f"{calls_per_step:.0f} separate reads at {site or 'this line'}; or log them every N steps.")
+        elif (site, what) in explicit_keys:
+            e.no_wait[acts_a] = True
+            pattern = "per-step"
+            remedy = (f"The script synchronizes with the GPU {calls_per_step:.0f}x per step "
+                      f"({'at ' + site if site else 'no Python stack recorded: `aiprof run --what python` names the line'}): "
+                      "remove the torch.cuda.synchronize() from the step, or call it every N steps; to time a step, "
+                      "record torch.cuda.Event(enable_timing=True) pairs and read them a step later.")
         else:
             e.no_wait[acts_a] = True
             pattern = "per-step"
@@ -140,15 +150,29 @@ def detect(f: RankFacts) -> list[Cause]:
             region |= f.under(np.isin(np.arange(len(f.tree)), op_nodes[op_nodes >= 0]))
         wait_ns = float(np.clip(g.o_end[g.a_wait[acts_a]] - g.a_ts[acts_a], 0, None).sum())
         label = what.replace("aten::_local_scalar_dense", ".item()").replace("aten::item", ".item()")
+        explicit = (site, what) in explicit_keys
+        if explicit:
+            # a device sync outside any op is the script's own torch.cuda.synchronize() (torch's ops
+            # synchronize inside an op: .item(), .cpu(), a pageable copy)
+            label = "torch.cuda.synchronize()"
+            what_where = (f"{label} per step at {site}" if site else
+                          f"{label} per step ({what} outside any op: the script's own synchronize; no Python "
+                          "stack recorded)")
+        else:
+            # a read without a Python stack: the op that makes it is what the trace knows
+            what_where = (f"blocking {label} per step at "
+                          + (site or f"{what} (no Python stack recorded: `aiprof run --what python` names the line)"))
         out.append(Cause(
             code=CODE, rank=f.rank,
-            title=(f"{calls_per_step:.0f} blocking {label} per step at {site or 'an unknown site'} wait for the GPU "
+            title=(f"{calls_per_step:.0f} {what_where} wait for the GPU "
                    f"({ms(wait_ns / per)} of host waiting per step)"),
-            mechanism=("Each read of a GPU value blocks the host until the GPU has run everything queued before it; "
-                       "the GPU then has nothing to do until the host queues more work."),
+            mechanism=(("A synchronize" if explicit else "Each read of a GPU value")
+                       + " blocks the host until the GPU has run everything queued before it; the GPU then has "
+                       "nothing to do until the host queues more work."),
             remedy=remedy, place=Place("python" if site else "op", label, site, stack),
             evidence={"call": g.action_name(int(acts_a[0])), "op": what, "site": site, "calls": len(acts_a),
-                      "calls_per_step": calls_per_step, "host_wait_us": wait_ns / 1e3, "pattern": pattern},
+                      "calls_per_step": calls_per_step, "host_wait_us": wait_ns / 1e3, "pattern": pattern,
+                      "explicit_synchronize": explicit},
             edit=e, region=region, claims=idle_claim(f, region)))
     return out
 

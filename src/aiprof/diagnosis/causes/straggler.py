@@ -151,7 +151,9 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
             place=Place("rank", f"rank {s}", "", [], []),
             evidence={"straggler": info, "differs": ev.get("differs", {})}, edit=e, claims=claims)
         pricer.price(f, c)
-        c.evidence["always_reported"] = True  # the arrival evidence stands even when the replay prices it low
+        # no exemption from the report floor: a healthy job has a last arriver at every collective
+        # (someone is always last), and a "straggler" whose fix saves nothing is noise; its waits
+        # stay WAITING_RANK symptoms, shown as unexplained when they matter (ORPHAN_MIN_SHARE)
         # a cause a detector found on the straggler is the better answer when it explains at
         # least half of what bringing the straggler to the median rank would save
         own = [o for o in own if cls in _acts_on(o.code)]
