@@ -228,9 +228,11 @@ def make_files(tmp: str, n: int, mb: float) -> dict[str, dict[str, tuple[str, st
     return files
 
 
-def start_server(tmp: str) -> tuple[subprocess.Popen, str, str]:
+def start_server(tmp: str, agents: int) -> tuple[subprocess.Popen, str, str]:
     data = os.path.join(tmp, "data")
-    srv = subprocess.Popen([sys.executable, "-m", "aiprof", "server", "--data", data, "--port", "0", "--host", "127.0.0.1"],
+    # every simulated agent registers from 127.0.0.1: the per-address bound (256 by default) is lifted
+    srv = subprocess.Popen([sys.executable, "-m", "aiprof", "server", "--data", data, "--port", "0", "--host", "127.0.0.1",
+                            "--max-agents-per-host", str(max(agents, 1))],
                            stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "server.log"), "wb"),
                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     if not wait_for(lambda: os.path.exists(os.path.join(data, "server.json")) or srv.poll() is not None,
@@ -255,7 +257,7 @@ def main() -> int:
         return child_main(a.child)
     n, procs = a.agents, max(1, min(a.procs, a.agents))
     tmp = tempfile.mkdtemp(prefix="aiprof-load-")
-    srv, url, token = start_server(tmp)
+    srv, url, token = start_server(tmp, n)
     children: list[subprocess.Popen] = []
     try:
         client = ServerClient(url, token, timeout=60.0)
@@ -331,6 +333,11 @@ def main() -> int:
               f"{hang_ranks} alive when sent); "
               f"-> snapshot {hang_state.get('state')}: {t_hang_done:.2f} s; {len(result.get('processes') or [])} "
               f"processes, outliers {outliers} (stuck rank {stuck_rank(n)})")
+        # the upload phase's throughput: every byte, from the trigger to the capture's state "uploaded"
+        sent_mb = sum(sz for fs in files.values() for (_, _, sz) in fs.values()) / 1e6
+        t_hang_tail = t_hang_done - (rep.last("stacks_sent") - t_hang)  # the last rank's stacks -> analysed
+        print(f"  upload phase: {2 * n} files, {sent_mb:.1f} MB in {t_up:.2f} s = {sent_mb / t_up:.1f} MB/s; "
+              f"hang: last rank's stacks -> analysed {t_hang_tail:.2f} s")
         for kind in ("register", "heartbeat", "upload", "result", "stacks"):
             xs = rep.lat.get(kind, [])
             if xs:
@@ -344,6 +351,13 @@ def main() -> int:
         ok = (registered and not rep.errors and not mismatched and stored_bytes == sent_bytes == info["stats"]["upload_bytes"]
               and state is not None and state["state"] == "uploaded" and hang_ranks == n and outliers == [stuck_rank(n)])
         print("OK" if ok else "FAILED")
+        st = {k: sorted(v) for k, v in rep.lat.items()}
+        print("RESULT " + json.dumps({"agents": n, "ok": ok, "upload_s": round(t_up, 3), "upload_mb_s": round(sent_mb / t_up, 2),
+                                      "hang_s": round(t_hang_done, 3), "hang_tail_s": round(t_hang_tail, 3),
+                                      "stacks_p50_ms": round(pct(st.get("stacks", []), 50) * 1e3, 1),
+                                      "stacks_p95_ms": round(pct(st.get("stacks", []), 95) * 1e3, 1),
+                                      "upload_p50_ms": round(pct(st.get("upload", []), 50) * 1e3, 1),
+                                      "heartbeat_p95_ms": round(pct(st.get("heartbeat", []), 95) * 1e3, 1)}), flush=True)
         return 0 if ok else 1
     finally:
         for p in children:

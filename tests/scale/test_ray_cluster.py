@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -117,7 +117,8 @@ class Head:
     free port (with ray[client] installed Ray would take 10001: two heads, other engineers'
     included, would clash there); ``address`` (its GCS) and ``client`` (ray://) once it is up."""
 
-    def __init__(self, root: Path, env: dict[str, str]) -> None:
+    def __init__(self, root: Path, env: dict[str, str], extra: Sequence[str] = ()) -> None:
+        """``extra``: more `ray start` options (e.g. --resources, another --num-cpus)."""
         root.mkdir(parents=True)
         # Ray's --temp-dir holds its AF_UNIX sockets (at most 107 bytes): a short folder in the
         # system's temp, not pytest's deep tmp_path
@@ -128,7 +129,7 @@ class Head:
         cmd = [str(ray_cli) if ray_cli.exists() else "ray", "start", "--head", "--block", "--port", "0",
                "--ray-client-server-port", str(self.client_port),
                "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats",
-               "--object-store-memory", str(engines.OBJECT_STORE_BYTES), "--temp-dir", str(self.temp)]
+               "--object-store-memory", str(engines.OBJECT_STORE_BYTES), "--temp-dir", str(self.temp), *extra]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.address = ""
@@ -156,9 +157,9 @@ class Head:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def _start(root: Path, env: dict[str, str]) -> Iterator[Head]:
+def _start(root: Path, env: dict[str, str], extra: Sequence[str] = ()) -> Iterator[Head]:
     for attempt in range(HEAD_STARTS):
-        head = Head(root / f"start{attempt}", env)
+        head = Head(root / f"start{attempt}", env, extra)
         try:
             try:
                 head.address = head.wait_address()

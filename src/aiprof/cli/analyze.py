@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -99,6 +100,24 @@ class ProgressFile:
         os.replace(tmp, self.path)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Meanwhile, this process's stdout (sys.stdout and fd 1) goes to stderr: stdout is the report's
+    (`--json`), but Ray's driver prints the cluster's events (a task retried after its node was
+    lost) on sys.stdout, from a thread of its own (ray._private.worker.listen_error_messages)."""
+    sys.stdout.flush()
+    saved, saved_fd = sys.stdout, os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved
+
+
 def _both(*fns):
     fns = [f for f in fns if f is not None]
     if not fns:
@@ -144,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         bar, update = _progress()
         if pfile and kind == "ray":
             pfile("starting ray", 0, 1)
-        with engines.make(kind, args.cluster, args.workers) as eng:
+        with (_stdout_to_stderr() if kind == "ray" else contextlib.nullcontext()), \
+                engines.make(kind, args.cluster, args.workers) as eng:
             if pfile and kind == "ray":
                 pfile("starting ray", 1, 1)
             if bar is not None:

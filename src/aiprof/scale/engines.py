@@ -58,16 +58,20 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 @dataclass
 class EngineStats:
-    """What the tasks cost: CPU seconds summed over tasks, per phase, and the task count."""
+    """What the tasks cost: CPU seconds summed over tasks, per phase, and the task count; on Ray,
+    also where they ran: per phase, the tasks each node returned (its Ray node id)."""
 
     worker_cpu_s: float = 0.0
     tasks: int = 0
-    by_phase: dict = field(default_factory=dict)  # phase -> {"tasks", "cpu_s", "wall_s"}
+    by_phase: dict = field(default_factory=dict)  # phase -> {"tasks", "cpu_s", "wall_s"[, "nodes"]}
 
-    def add(self, phase: str, cpu_s: float) -> None:
+    def add(self, phase: str, cpu_s: float, node: str = "") -> None:
         p = self.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})
         p["tasks"] += 1
         p["cpu_s"] += cpu_s
+        if node:  # a task retried elsewhere (its node lost) counts where it finally ran
+            nodes = p.setdefault("nodes", {})
+            nodes[node] = nodes.get(node, 0) + 1
         self.tasks += 1
         self.worker_cpu_s += cpu_s
 
@@ -337,7 +341,7 @@ class RayEngine:
                         err = AiprofError(out.message)
                         err.exit_code = out.exit_code
                         raise err
-                    self.stats.add(phase, cpu)
+                    self.stats.add(phase, cpu, node)
                     self.nodes[i] = node
                     done_n += 1
                     if progress:

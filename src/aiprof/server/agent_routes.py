@@ -50,7 +50,7 @@ class AgentRoutes:
         rank = safe_rank(body.get("rank"))
         rec = {k: body.get(k) for k in ("ok", "error", "steps", "phase", "dir", "host", "pid")}
         rec["at"] = time.time()
-        check_rank(cid, self.ctx.data.load_capture(cid), rank)
+        check_rank(cid, self.ctx.data.capture_view(cid), rank)
 
         def upd(st: dict) -> None:
             st.setdefault("results", {})[str(rank)] = rec

@@ -83,7 +83,7 @@ class AnalysisQueue:
     def check_complete(self, cid: str) -> None:
         """capturing -> uploaded when every expected rank has its files or reported a failure
         (or at the deadline, with what arrived); then the analysis starts if asked for."""
-        st = self.data.load_capture(cid)
+        st = self.data.capture_view(cid)  # read only: on every meta.json and result
         if not st or st.get("state") != "capturing":
             self.active.discard(cid)
             self.done_ranks.pop(cid, None)

@@ -34,6 +34,11 @@ class JobCoordination:
         self.registry = ctx.registry
         self.queue = queue
         self.active_hang: set[str] = set()  # snapshots still collecting
+        # a collecting snapshot's state and the ranks whose stacks arrived, kept as they arrive:
+        # reading the state and listing the folder on each arrival is quadratic (1,024 ranks:
+        # ~500 k folder entries read on the event loop)
+        self.hang_states: dict[str, dict] = {}
+        self.hang_have: dict[str, set[int]] = {}
 
     def start(self) -> None:
         """At server start: snapshots a restart interrupted are analysed with what arrived."""
@@ -103,6 +108,7 @@ class JobCoordination:
               "expected": sorted(a.rank for a in agents), "state": "collecting"}
         write_json(os.path.join(self.data.hang_dir(sid), STATE), st)
         self.active_hang.add(sid)
+        self.hang_states[sid], self.hang_have[sid] = st, set()
         self.registry.send(agents, {"op": "stacks", "snapshot_id": sid})
         return JSONResponse({"snapshot_id": sid, "ranks": st["expected"],
                              "status": self.ctx.url(req, f"/api/v1/hang/{sid}")})
@@ -111,7 +117,7 @@ class JobCoordination:
         sid = safe_name(req.path_params["sid"], "snapshot id")
         rank = safe_rank(req.path_params["rank"])
         d = self.data.hang_dir(sid)
-        st = read_json(os.path.join(d, STATE))
+        st = self._hang_state(sid)
         if st is None:
             raise HTTPError(404, f"no snapshot {sid}")
         if rank not in st.get("expected", [rank]):
@@ -119,27 +125,52 @@ class JobCoordination:
                                  f"{', '.join(map(str, st['expected'])) or 'none'})")
         body = await read_json_body(req, MAX_STACKS_JSON)
         body["rank"] = rank
-        write_json(os.path.join(d, f"rank{rank}.json"), body)
+        await anyio.to_thread.run_sync(write_json, os.path.join(d, f"rank{rank}.json"), body)
+        if sid in self.hang_have:
+            self.hang_have[sid].add(rank)
         await self._check_hang(sid)
         return JSONResponse({"ok": True})
 
+    def _hang_state(self, sid: str) -> dict | None:
+        """A snapshot's state: kept in memory while it collects, else read from its folder."""
+        st = self.hang_states.get(sid)
+        if st is None:
+            st = read_json(os.path.join(self.data.hang_dir(sid), STATE))
+            if st is not None and st.get("state") == "collecting" and sid in self.active_hang:
+                self.hang_states[sid] = st  # after a restart: read once
+        return st
+
+    def _hang_ranks(self, sid: str) -> set[int]:
+        """The ranks whose stacks arrived: listed from the folder once (or after a restart), then kept."""
+        have = self.hang_have.get(sid)
+        if have is None:
+            d = self.data.hang_dir(sid)
+            have = self.hang_have[sid] = {int(m.group(1)) for f in os.listdir(d)
+                                          if (m := re.fullmatch(r"rank(\d+)\.json", f))}
+        return have
+
+    def _forget_hang(self, sid: str) -> None:
+        self.active_hang.discard(sid)
+        self.hang_states.pop(sid, None)
+        self.hang_have.pop(sid, None)
+
     async def _check_hang(self, sid: str) -> None:
         d = self.data.hang_dir(sid)
-        st = read_json(os.path.join(d, STATE))
-        if not st or st.get("state") != "collecting":
-            self.active_hang.discard(sid)
+        st = self._hang_state(sid)
+        if not st or st.get("state") != "collecting" or sid not in self.active_hang:
+            self._forget_hang(sid)
             return
-        have = {int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"rank(\d+)\.json", f))}
+        have = set(self._hang_ranks(sid))
         if not set(st["expected"]) <= have and time.time() < st["deadline"]:
             return
-        st["state"] = "analysing"
+        st = {**st, "state": "analysing"}
         write_json(os.path.join(d, STATE), st)
-        self.active_hang.discard(sid)
-        procs = [read_json(os.path.join(d, f"rank{r}.json")) for r in sorted(have)]
+        self._forget_hang(sid)
 
         def analyse() -> dict:
             from aiprof.analysis.hang import analyse as hang_analyse, format_text
 
+            procs = [read_json(os.path.join(d, f"rank{r}.json")) for r in sorted(have)]  # off the event loop
             res = hang_analyse([p for p in procs if p])
             res["missing_ranks"] = sorted(set(st["expected"]) - have)
             res["text"] = format_text(res)

@@ -120,8 +120,8 @@ class UploadRoutes:
     async def file_status(self, req: Request) -> Response:
         p = req.path_params
         cid, rank, name = safe_name(p["cid"], "capture id"), safe_rank(p["rank"]), safe_name(p["name"], "file name")
-        check_rank(cid, self.data.load_capture(cid), rank)
-        return JSONResponse(self._file_status(cid, rank, name))
+        check_rank(cid, self.data.capture_view(cid), rank)
+        return JSONResponse(await anyio.to_thread.run_sync(self._file_status, cid, rank, name))
 
     async def put_file(self, req: Request) -> Response:
         p, q = req.path_params, req.query_params
@@ -158,35 +158,25 @@ class UploadRoutes:
 
     async def _receive(self, req: Request, cid: str, rank: int, name: str, offset: int, size: int, sha: str,
                        world: int | None) -> Response:
-        state = self.data.load_capture(cid)
+        state = self.data.capture_view(cid)
         check_rank(cid, state, rank)
-        st = self._file_status(cid, rank, name)
-        if st["complete"]:
-            if st.get("sha256") == sha:
-                return JSONResponse(st)
-            raise HTTPError(409, f"{name} of rank {rank} is already complete with another checksum")
+        q = req.query_params
+        # the file work before the body (stat, read the records, create the capture, open the part)
+        # and after it (fsync, hash, rename) runs on a worker thread: on the event loop, 2,048 small
+        # files of a 1,024-rank capture held every other request back (docs/server.md, "Measured")
+        opened = await anyio.to_thread.run_sync(self._open_part, cid, rank, name, offset, size, sha, q.get("job"),
+                                                world, q.get("scope"))
+        if isinstance(opened, dict):  # complete already, with this checksum
+            return JSONResponse(opened)
+        f, created = opened
+        if created:
+            self.queue.active.add(cid)
         part = self.data.part_path(cid, rank, name)
         marker = part[:-len(".part")] + ".durable"
-        durable = self._durable(cid, rank, name)
-        if st["received"] and (durable.get("sha256"), durable.get("size")) != (sha, size):
-            self._drop_part(part, marker)  # the partial copy is of another file: start it over
-            raise HTTPError(409, f"the {st['received']} bytes held of {name} belong to another file; "
-                                 "they were dropped", received=0)
-        if offset != st["received"]:
-            raise HTTPError(409, f"offset {offset} does not match the {st['received']} bytes held", received=st["received"])
-        self._ensure_capture(cid, req.query_params.get("job"), rank, world, req.query_params.get("scope"))
-        rdir = self.data.rank_dir(cid, rank)
-        if not os.path.isdir(rdir) or name not in os.listdir(rdir):
-            existing = [f for f in (os.listdir(rdir) if os.path.isdir(rdir) else []) if not f.startswith(".")]
-            if len(existing) >= MAX_FILES_PER_RANK:
-                raise HTTPError(413, f"rank {rank} already has {len(existing)} files")
-        os.makedirs(os.path.dirname(part), exist_ok=True)
         received = offset
         over = stalled = False
         synced = offset
-        f = open(part, "ab")
         try:
-            f.truncate(offset)  # bytes past the durable length may not be on disk: never build on them
             async for chunk in body_chunks(req):
                 if received + len(chunk) > size:
                     over = True
@@ -205,14 +195,12 @@ class UploadRoutes:
         except BodyTimeout:  # a stalled client: keep what arrived, free the file for a resumed upload
             stalled = True
         finally:
-            try:
-                if not over and received > synced:
-                    # off the event loop (three fsyncs: ~10-40 ms that would stall every other request;
-                    # 1,024 ranks' small files cost the loop a minute), shielded: also when cancelled
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(make_durable, f, marker, received, size, sha)
-            finally:
-                f.close()
+            # off the event loop (three fsyncs: ~10-40 ms that would stall every other request), shielded:
+            # also when cancelled; a complete file is hashed and put in place in the same call
+            with anyio.CancelScope(shield=True):
+                done = await anyio.to_thread.run_sync(self._close_part, f, cid, rank, name, marker,
+                                                      received if not over and received > synced else None,
+                                                      size, sha, not over and not stalled and received == size)
         if over:
             self._drop_part(part, marker)
             raise HTTPError(413, f"more bytes than the declared size {size}")
@@ -221,14 +209,10 @@ class UploadRoutes:
                             received=received)
         if received < size:
             return JSONResponse({"complete": False, "received": received})
-        digest, n = await anyio.to_thread.run_sync(file_sha256, part)
+        digest, n = done
         if digest != sha or n != size:
-            self._drop_part(part, marker)
             self.ctx.stats["checksum_mismatch"] += 1
             raise HTTPError(422, f"checksum mismatch for {name}: got {digest}, expected {sha}; send it again")
-        write_json(part[:-len(".part")] + ".sha256.json", {"sha256": digest, "size": n})
-        os.replace(part, self.data.file_path(cid, rank, name))
-        self._drop_part(part, marker)
         self.ctx.stats["uploads"] += 1
         self.ctx.stats["upload_bytes"] += n
         if name == "meta.json":
@@ -236,6 +220,63 @@ class UploadRoutes:
                 self._learn_ranks(cid, rank)
             self.queue.rank_complete(cid, rank)
         return JSONResponse({"complete": True, "received": n, "sha256": digest})
+
+    def _open_part(self, cid: str, rank: int, name: str, offset: int, size: int, sha: str, job: str | None,
+                   world: int | None, scope: str | None) -> dict | tuple[Any, bool]:
+        """On a worker thread, before the body: the file's status (a dict when it is complete with
+        this checksum: nothing to receive); else the capture (created when the server did not
+        trigger it: True) and the part, open for appending at ``offset``. HTTPError when the
+        upload cannot go on."""
+        st = self._file_status(cid, rank, name)
+        if st["complete"]:
+            if st.get("sha256") == sha:
+                return st
+            raise HTTPError(409, f"{name} of rank {rank} is already complete with another checksum")
+        part = self.data.part_path(cid, rank, name)
+        marker = part[:-len(".part")] + ".durable"
+        durable = self._durable(cid, rank, name)
+        if st["received"] and (durable.get("sha256"), durable.get("size")) != (sha, size):
+            self._drop_part(part, marker)  # the partial copy is of another file: start it over
+            raise HTTPError(409, f"the {st['received']} bytes held of {name} belong to another file; "
+                                 "they were dropped", received=0)
+        if offset != st["received"]:
+            raise HTTPError(409, f"offset {offset} does not match the {st['received']} bytes held", received=st["received"])
+        created = self._ensure_capture(cid, job, rank, world, scope)
+        rdir = self.data.rank_dir(cid, rank)
+        if not os.path.isdir(rdir) or name not in os.listdir(rdir):
+            existing = [f for f in (os.listdir(rdir) if os.path.isdir(rdir) else []) if not f.startswith(".")]
+            if len(existing) >= MAX_FILES_PER_RANK:
+                raise HTTPError(413, f"rank {rank} already has {len(existing)} files")
+        os.makedirs(os.path.dirname(part), exist_ok=True)
+        f = open(part, "ab")
+        try:
+            f.truncate(offset)  # bytes past the durable length may not be on disk: never build on them
+        except BaseException:
+            f.close()
+            raise
+        return f, created
+
+    def _close_part(self, f: Any, cid: str, rank: int, name: str, marker: str, sync: int | None, size: int,
+                    sha: str, complete: bool) -> tuple[str, int] | None:
+        """On a worker thread, after the body: fsync the part and record ``sync`` bytes as durable
+        (None: nothing new to record); when ``complete``, hash it and put it in place if the
+        SHA-256 matches (else drop it). The part's digest and size when hashed."""
+        try:
+            if sync is not None:
+                make_durable(f, marker, sync, size, sha)
+        finally:
+            f.close()
+        if not complete:
+            return None
+        part = f.name
+        digest, n = file_sha256(part)
+        if digest != sha or n != size:
+            self._drop_part(part, marker)
+            return digest, n
+        write_json(part[:-len(".part")] + ".sha256.json", {"sha256": digest, "size": n})
+        os.replace(part, self.data.file_path(cid, rank, name))
+        self._drop_part(part, marker)
+        return digest, n
 
     def _learn_ranks(self, cid: str, rank: int) -> None:
         """A capture whose ranks are not known yet (an older uploader) takes them from its first meta.json."""
@@ -260,15 +301,17 @@ class UploadRoutes:
             except FileNotFoundError:
                 pass
 
-    def _ensure_capture(self, cid: str, job: str | None, rank: int, world: int | None, scope: str | None) -> None:
+    def _ensure_capture(self, cid: str, job: str | None, rank: int, world: int | None, scope: str | None) -> bool:
         """An upload for a capture the server did not trigger (``aiprof run --server --iterations``,
-        the auto-trigger): created with the ranks its first upload names."""
+        the auto-trigger): created with the ranks its first upload names (True: created now; the
+        caller, on the event loop, adds it to the analysis queue's active captures)."""
         with self.data.lock:
-            if self.data.load_capture(cid) is None:
+            if self.data.capture_view(cid) is None:
                 os.makedirs(self.data.capture_dir(cid), exist_ok=True)
                 self.data.save_capture(cid, {"capture_id": cid, "job": safe_name(job, "job") if job else None,
                                              "created": time.time(), "expected": None, "results": {},
                                              "world_size": world, "solo_rank": rank if scope == "rank" else None,
                                              "deadline": time.time() + 600, "auto_analyze": True,
                                              "state": "capturing", "source": "agent"})
-                self.queue.active.add(cid)
+                return True
+        return False

@@ -1,0 +1,106 @@
+"""The service's per-arrival work does not grow with the job: a capture's state is parsed once
+while its ranks upload (not on every file and result), and a hang snapshot's folder is not
+listed on every rank's arrival. The real app in this process (Starlette's TestClient, lifespan
+and ticker running), with os.listdir and the state reads counted. Throughput is measured by
+bench/server_load.py, not here."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import pytest
+from starlette.testclient import TestClient
+
+from aiprof.server import coordination, store
+from aiprof.server.service import create_service
+
+RANKS = 64  # enough that a per-arrival listing or parse would show 64 times over
+# A capture's state is parsed once when its first file arrives; every later read is the kept view.
+STATE_PARSES_PER_CAPTURE = 1
+# Bounded waits on the ticker (TICK_S = 0.5 s) completing what the last arrival started.
+SETTLE_S = 30.0
+
+
+@pytest.fixture
+def app(tmp_path):
+    app, svc = create_service(str(tmp_path / "data"))
+    with TestClient(app, headers={"Authorization": f"Bearer {svc.token}"}) as c:
+        for r in range(RANKS):
+            c.post("/api/v1/agents", json={"agent_id": f"a{r}", "job": "j", "host": f"h{r // 8}", "pid": 100 + r,
+                                           "rank": r, "world_size": RANKS, "steps": 5}).raise_for_status()
+        yield c, svc
+
+
+def _counting(monkeypatch, module, name: str, match) -> list:
+    calls: list = []
+    real = getattr(module, name)
+
+    def counted(path=".", *a, **kw):
+        if match(str(path)):
+            calls.append(str(path))
+        return real(path, *a, **kw)
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_capture_uploads_parse_the_state_once(app, monkeypatch):
+    c, svc = app
+    cid = c.post("/api/v1/jobs/j/captures", json={"request": {"iterations": 1}, "auto_analyze": False}).json()["capture_id"]
+    parses = _counting(monkeypatch, store, "read_json", lambda p: p.endswith(os.path.join(cid, store.STATE)))
+    for r in range(RANKS):
+        for name, body in (("trace.json.gz", os.urandom(4096)), ("meta.json", json.dumps({"rank": r}).encode())):
+            q = {"offset": 0, "size": len(body), "sha256": hashlib.sha256(body).hexdigest(), "job": "j"}
+            res = c.put(f"/api/v1/captures/{cid}/ranks/{r}/files/{name}", params=q, content=body)
+            assert res.json()["complete"], res.text
+        c.post(f"/api/v1/agents/a{r}/results", json={"capture_id": cid, "rank": r, "ok": True}).raise_for_status()
+    assert len(parses) == STATE_PARSES_PER_CAPTURE
+    st = c.get(f"/api/v1/captures/{cid}").json()  # from disk: what the kept view wrote
+    assert st["state"] == "uploaded" and st["received"] == list(range(RANKS)) and len(st["results"]) == RANKS
+
+
+def _stacks(rank: int) -> dict:
+    return {"pid": 100 + rank, "host": f"h{rank // 8}", "ok": True, "native": False,
+            "threads": [{"thread_id": 1, "name": "MainThread", "active": True, "owns_gil": True,
+                         "frames": [{"function": "train_step", "file": "/job/train.py", "line": 9, "native": False}]}]}
+
+
+def test_hang_snapshot_assembles_without_listing_per_arrival(app, monkeypatch):
+    c, svc = app
+    sid = c.post("/api/v1/jobs/j/hang", json={"timeout_s": 60}).json()["snapshot_id"]
+    hang_dir = svc.ctx.data.hang_dir(sid)
+    listed = _counting(monkeypatch, coordination.os, "listdir", lambda p: p == hang_dir)
+    state_reads = _counting(monkeypatch, coordination, "read_json", lambda p: p == os.path.join(hang_dir, store.STATE))
+    for r in range(RANKS):
+        c.post(f"/api/v1/hang/{sid}/ranks/{r}", json=_stacks(r)).raise_for_status()
+    assert listed == [] and state_reads == []  # the state and the ranks arrived are kept in memory
+    deadline = time.monotonic() + SETTLE_S
+    while (st := c.get(f"/api/v1/hang/{sid}").json())["state"] != "analysed":
+        assert st["state"] in ("collecting", "analysing") and time.monotonic() < deadline, st
+        time.sleep(0.1)  # polling a condition, with a deadline
+    assert len(st["result"]["processes"]) == RANKS and st["result"]["missing_ranks"] == []
+    assert listed == []
+
+
+def test_a_restarted_server_lists_a_collecting_snapshot_once(tmp_path, monkeypatch):
+    """A snapshot a restart interrupted: its folder is listed once, then arrivals are kept."""
+    app1, svc1 = create_service(str(tmp_path / "data"))
+    sid = "hang-restart"
+    d = svc1.ctx.data.hang_dir(sid)
+    store.write_json(os.path.join(d, store.STATE), {"snapshot_id": sid, "job": "j", "created": time.time(),
+                                                    "deadline": time.time() + 60, "expected": list(range(RANKS)),
+                                                    "state": "collecting"})
+    for r in range(RANKS // 2):  # half arrived before the restart
+        store.write_json(os.path.join(d, f"rank{r}.json"), {**_stacks(r), "rank": r})
+    app, svc = create_service(str(tmp_path / "data"))
+    listed = _counting(monkeypatch, coordination.os, "listdir", lambda p: p == d)
+    with TestClient(app, headers={"Authorization": f"Bearer {svc.token}"}) as c:
+        for r in range(RANKS // 2, RANKS):
+            c.post(f"/api/v1/hang/{sid}/ranks/{r}", json=_stacks(r)).raise_for_status()
+        deadline = time.monotonic() + SETTLE_S
+        while (st := c.get(f"/api/v1/hang/{sid}").json())["state"] != "analysed":
+            assert time.monotonic() < deadline, st
+            time.sleep(0.1)  # polling a condition, with a deadline
+    assert len(st["result"]["processes"]) == RANKS
+    assert listed == [d]
