@@ -39,6 +39,8 @@ HEAD_START_TIMEOUT_S = 120.0
 # The whole `aiprof analyze` of two ranks on the head (connect, ingest, analyse): ~10 s here;
 # a refused client gives up after Ray's own ~20 s of retries.
 ANALYZE_TIMEOUT_S = 300.0
+# Ray Client's first wait for the head (Ray's default is 5 s); see _env.
+CLIENT_FIRST_WAIT_S = 20
 # After SIGKILL the group's processes are gone at once; waiting on `ray start` is bounded anyway.
 KILL_WAIT_S = 30.0
 # `ray start` once more when it exits before the head is up: the Ray Client port, free when picked,
@@ -59,6 +61,10 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     src = str(Path(engines.__file__).resolve().parents[2])  # the aiprof under test, for the head's workers too
     env.update(HOME=str(home), PYTHONPATH=os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p),
                AIPROF_PROGRESS="never", **extra)
+    # A Ray Client's first connection waits for the head to start a server for it (a new Python
+    # process importing Ray): on CI's two busy cores that outlasted Ray's default patience (5 s,
+    # doubled per retry, 3 tries), so a client that would have been served timed out.
+    env.setdefault(engines.CLIENT_TIMEOUT_VAR, str(CLIENT_FIRST_WAIT_S))
     return env
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from aiprof import npx
 from aiprof.analysis.breakdown import gpu_unions
 from aiprof.analysis.comm import exposed_by_type
-from aiprof.analysis.intervals import Union, union, union_of
+from aiprof.analysis.intervals import Union, union_of
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.loading import STEP_ANNOTATION as _STEP_ANNOTATION
 from aiprof.analysis.loading import is_data_loading, is_library_frame, loading_union, main_tid  # noqa: F401 (re-exported)

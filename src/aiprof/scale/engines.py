@@ -247,6 +247,42 @@ def _refused(address: str, token: str | None) -> str:
             f"(the head's {DEFAULT_TOKEN_FILE}), or check that {address} is {port}")
 
 
+# A Ray Client's connection attempts log why each ping failed (ray.util.client.worker, at debug
+# level): Ray 2.60's server answers a refused token with "Invalid or missing authentication token"
+# (gRPC UNAUTHENTICATED); anything else (no answer in time) is not a refusal, and saying "refused"
+# then would send the user after the wrong setting.
+CLIENT_LOGGER = "ray.util.client.worker"
+AUTH_REFUSALS = ("UNAUTHENTICATED", "AUTHENTICATION TOKEN")  # upper-cased, as kept
+CLIENT_TIMEOUT_VAR = "RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S"  # Ray's: its first wait, doubled per retry
+
+
+@contextlib.contextmanager
+def _client_errors() -> Iterator[list[str]]:
+    """The Ray Client's connection log lines (upper-cased) while the block runs."""
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            with contextlib.suppress(Exception):
+                seen.append(record.getMessage().upper())
+
+    log, handler = logging.getLogger(CLIENT_LOGGER), Keep(logging.DEBUG)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield seen
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def _client_timeout(address: str) -> str:
+    return (f"the Ray Client server at {address} did not answer in time (Ray gave up after its retries): check "
+            f"that it is the head's Ray Client port (ray start --ray-client-server-port, 10001 by default) and "
+            f"that the head is not overloaded; ${CLIENT_TIMEOUT_VAR} makes Ray wait longer")
+
+
 def _aiprof_path() -> str:
     """The folder aiprof is imported from, so that Ray's workers import the same aiprof."""
     import aiprof
@@ -279,7 +315,7 @@ class RayEngine:
         try:
             if address:
                 # a cluster: its nodes have aiprof installed (docs/scale.md); our path is ours only
-                with _stderr_to(os.devnull):
+                with _stderr_to(os.devnull), _client_errors() as seen:
                     ray.init(address=address, **quiet)
             else:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env,
@@ -287,6 +323,8 @@ class RayEngine:
         except ConnectionError as exc:
             # it accepted a TCP connection (_reachable); a Ray Client whose every ping is refused
             # (UNAUTHENTICATED, or not a client server) gives up with "ray client connection timeout"
+            if address and _client_address(address) and not any(r in m for m in seen for r in AUTH_REFUSALS):
+                raise AiprofError(_client_timeout(address)) from None
             if address and (_gcs_address(address) or _client_address(address)):
                 raise AiprofError(_refused(address, token)) from None
             raise AiprofError(_cannot_start(address, exc)) from None
