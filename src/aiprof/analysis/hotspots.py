@@ -22,7 +22,13 @@ from aiprof.analysis.comm import exposed_by_type
 from aiprof.analysis.intervals import Union, union_of
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.loading import STEP_ANNOTATION as _STEP_ANNOTATION
-from aiprof.analysis.loading import is_data_loading, is_library_frame, loading_union, main_tid  # noqa: F401 (re-exported)
+from aiprof.analysis.loading import (  # noqa: F401 (re-exported)
+    is_data_loading,
+    is_input_preparation,
+    is_library_frame,
+    loading_union,
+    main_tid,
+)
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace

@@ -27,6 +27,10 @@ _LIBRARY_PREFIXES = ("torch/", "transformers/", "accelerate/", "deepspeed/", "tr
 # Host names that mean "loading input": DataLoader iteration, get_batch-like user functions.
 _DATA_LOADING_WORDS = ("get_batch", "next_batch", "load_batch", "fetch_batch", "collate",
                        "dataloader", "__getitem__", "_next_data", "read_batch")
+# Host names that mean "preparing input" beyond loading it: the work a DataLoader's workers (or a
+# process pool) can do ahead of the GPU. Only such work is told to move there (issue 28, item 2).
+_INPUT_PREPARATION_WORDS = ("tokeniz", "tokenis", "transform", "augment", "preprocess", "encode", "detokeniz",
+                            "decode_image", "resize", "normaliz", "pad_batch", "make_batch", "prepare_batch")
 # The one library whose frames are input loading: torch's DataLoader (its frames, its annotations).
 _TORCH_DATA = ("torch/utils/data/", "enumerate(DataLoader)", "DataLoader")
 STEP_ANNOTATION = "ProfilerStep#"
@@ -48,6 +52,18 @@ def is_data_loading(name: str) -> bool:
     if not any(w in n for w in _DATA_LOADING_WORDS):
         return False
     return not is_library_frame(name) or name.startswith(_TORCH_DATA)
+
+
+def is_input_preparation(name: str) -> bool:
+    """True for host events that load or prepare input (tokenise, transform, collate, a DataLoader,
+    a get_batch-like function): the work that can run in DataLoader workers ahead of the GPU."""
+    if is_data_loading(name):
+        return True
+    n = name.lower()
+    # a library's own transform (torch.nn's, a model's encode) is no input step; a tokenizer's is
+    if is_library_frame(name) and not name.startswith(_TORCH_DATA) and "tokeniz" not in n:
+        return False
+    return any(w in n for w in _INPUT_PREPARATION_WORDS)
 
 
 def main_tid(rt: RankTrace) -> int:

@@ -133,3 +133,64 @@ def transfer_edits(facts: list[RankFacts], code: str, transfer: dict) -> dict:
         e.c_transfer = transfer
         edits[f.rank] = e
     return edits
+
+
+# Builtins and library calls a leaf can be named by, with what to do about each when it runs on
+# the training thread every step: (label test, the name users know, the remedy). The remedy
+# follows from what the call is, never from where it sits (issue 28, item 2).
+_NAMED_LEAVES = (
+    (lambda s: s == "<built-in function collect>", "gc.collect",
+     "don't call it every step (or call gc.freeze() once after setup, so collections stop scanning the "
+     "long-lived objects)"),
+    (lambda s: s == "<built-in function sleep>", "time.sleep", "remove the sleep from the step"),
+    (lambda s: s == "<built-in function print>", "print",
+     "log every N steps (a GPU value printed is also a sync: keep it on the GPU until then)"),
+    (lambda s: "logging/__init__.py" in s, "logging",
+     "log every N steps (a GPU value logged is also a sync: keep it on the GPU until then)"),
+    (lambda s: s.startswith(("<built-in method read of _io", "<built-in method readinto of _io",
+                             "<built-in method readline", "<built-in function open>")), "a file read",
+     "read it once before the loop, or in a background thread ahead of the step"),
+)
+
+
+def named_leaf(label: str) -> tuple[str, str]:
+    """(the name users know, what to do) of a leaf the project recognises; ("", "") otherwise."""
+    for test, name, advice in _NAMED_LEAVES:
+        if test(label):
+            return name, advice
+    return "", ""
+
+
+def leaf_display(label: str) -> str:
+    """A leaf as the report names it: a known call by its name (``gc.collect``), a Python frame
+    'path/file.py(12): func' as ``func`` (file.py(12)), a builtin by its label."""
+    name, _ = named_leaf(label)
+    if name:
+        return name
+    m = re.match(r"(.*?)\((\d+)\): (.*)$", label)
+    if m:
+        return f"{m.group(3)} ({m.group(1).rsplit('/', 1)[-1]}({m.group(2)}))"
+    return label
+
+
+def descend_to_leaf(f: RankFacts, node: int, share: float) -> int:
+    """The innermost node under ``node`` reached by following, from each node, the child that holds
+    at least ``share`` of it: the frame (or builtin) that holds the time."""
+    tree = f.tree
+    cache = f.extra.setdefault("_children", None)
+    if cache is None or len(cache[0]) != len(tree):
+        order = np.argsort(tree.parent, kind="stable")
+        cache = (order, tree.parent[order])
+        f.extra["_children"] = cache
+    order, sorted_parent = cache
+    cur = node
+    while True:
+        lo, hi = np.searchsorted(sorted_parent, [cur, cur + 1])
+        kids = order[lo:hi]
+        if not len(kids):
+            return cur
+        dur = tree.end[kids] - tree.start[kids]
+        k = int(np.argmax(dur))
+        if dur[k] < share * max(float(tree.end[cur] - tree.start[cur]), 1.0):
+            return cur
+        cur = int(kids[k])

@@ -23,7 +23,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.analysis.intervals import union
-from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
+from aiprof.diagnosis.causes.common import idle_claim, leaf_display, ms, named_leaf, site_and_stack
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
@@ -144,14 +144,19 @@ def detect(f: RankFacts) -> list[Cause]:
         number = int(g.step_number[k])
         thread = "the main thread" if tid == tree.main_tid else f"thread {tid}"
         between = (f"between {op_before or 'the step start'} and {op_after or 'the step end'}")
+        known, advice = named_leaf(leaf_name)
+        shown = leaf_display(leaf_name) if leaf >= 0 else ""
         if leaf >= 0:
-            where = f"in {leaf_name}" + (f" (called from {site})" if site and site != leaf_name else "")
+            where = f"in `{shown}`" + (f" called from {site}" if site and site != leaf_name else "")
         else:
             where = between
         e = f.edit(CODE)
         e.gap_remove[i] = max(float(g.gap[i]), 0.0) * min(excess / max(float(t1 - t0), 1.0), 1.0)
         region = on & (tree.start >= t0) & (tree.end <= t1)
-        if leaf >= 0 and tree.kind[leaf] != OP:
+        if known:
+            remedy = (f"`{shown}`" + (f" at {site}" if site else "") + f" held {thread} for {ms(excess)} in step "
+                      f"{number} while the GPU had nothing queued: {advice}.")
+        elif leaf >= 0 and tree.kind[leaf] != OP:
             known = f"{leaf_name}" + (f" at {site}" if site and site != leaf_name else "")
             remedy = (f"{known} held {thread} for {ms(excess)} in step {number} while the GPU had nothing queued: "
                       "find what it waits for there (a sleep, a file or network read, a lock, a collection, a save) "
@@ -165,7 +170,7 @@ def detect(f: RankFacts) -> list[Cause]:
                       "name the function; then take the pause out of the step or off the thread that drives the GPU.")
         out.append(Cause(
             code=CODE, rank=f.rank,
-            title=(f"step {number}: {thread} paused {ms(excess)} {where}, with nothing queued on the GPU "
+            title=(f"{ms(excess)} in step {number} {where}: {thread} paused with nothing queued on the GPU "
                    f"(the step took {ms(step_ns)} against a median {ms(med)})"),
             mechanism=("The thread that drives the GPU stopped issuing work for one long stretch of this step; the "
                        "GPU finished what was queued and waited. A one-off pause costs its whole length in the step it "
