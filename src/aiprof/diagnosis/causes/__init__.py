@@ -32,6 +32,7 @@ from aiprof.diagnosis.causes import (
     slow_interconnect,
     small_batch,
     straggler,
+    sync_checkpoint,
     syscall_blocked,
     unfused_optimizer,
 )
@@ -45,6 +46,8 @@ REGISTRY: tuple[Detector, ...] = (
     allocator_churn.DETECTOR,
     new_shapes.DETECTOR,
     unfused_optimizer.DETECTOR,
+    # before the syncs and copies: those inside a save are the checkpoint's (its fix removes them)
+    sync_checkpoint.DETECTOR,
     host_sync.DETECTOR,
     pageable_copy.DETECTOR,
     syscall_blocked.DETECTOR,

@@ -194,3 +194,16 @@ def descend_to_leaf(f: RankFacts, node: int, share: float) -> int:
         if dur[k] < share * max(float(tree.end[cur] - tree.start[cur]), 1.0):
             return cur
         cur = int(kids[k])
+
+
+def owned_actions(f: RankFacts) -> np.ndarray:
+    """Per replay action: whether its host node lies in a region an earlier cause owns (its fix
+    removes the action: a copy inside a checkpoint the checkpoint's cause removes)."""
+    owned = f.extra.get("owned_nodes")
+    an = f.action_nodes()
+    out = np.zeros(len(an), dtype=bool)
+    if owned is None or len(owned) != len(f.tree) or not owned.any():
+        return out
+    ok = an >= 0
+    out[ok] = owned[an[ok]]
+    return out

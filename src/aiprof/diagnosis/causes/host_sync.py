@@ -16,7 +16,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP
 from aiprof.analysis.runtime import is_scalar_read
-from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
+from aiprof.diagnosis.causes.common import idle_claim, ms, owned_actions, site_and_stack
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
@@ -67,7 +67,8 @@ def _remove_read_host_time(f: RankFacts, drop: np.ndarray, e) -> None:
 
 def detect(f: RankFacts) -> list[Cause]:
     g = f.graph
-    waits = np.nonzero((g.a_wait >= 0) & (g.a_row >= 0))[0]
+    # a wait inside a region an earlier cause owns (a checkpoint's copies) is that cause's
+    waits = np.nonzero((g.a_wait >= 0) & (g.a_row >= 0) & ~owned_actions(f))[0]
     if not len(waits):
         return []
     nodes = f.action_nodes()[waits]

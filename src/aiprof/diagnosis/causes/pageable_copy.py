@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from aiprof.analysis.hotspots import OP
-from aiprof.diagnosis.causes.common import idle_claim, ms, site_and_stack
+from aiprof.diagnosis.causes.common import idle_claim, ms, owned_actions, site_and_stack
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.hardware import device
@@ -34,6 +34,8 @@ def detect(f: RankFacts) -> list[Cause]:
     mem = g.o_table == 1
     page = np.zeros(g.n_ops, dtype=bool)
     page[mem] = pageable_label[names.codes[g.o_row[mem]]]
+    # a copy made inside a region an earlier cause owns (a checkpoint's) is that cause's
+    page &= ~owned_actions(f)[g.o_action]
     if not page.any():
         return []
     nbytes = np.zeros(g.n_ops)
