@@ -1,0 +1,83 @@
+"""Issue 28's v3 pairs: real H100 captures (`aiprof run --what kernels,python,shapes`, made by
+bench/diagnosis/v3_pairs.sh; tests/data/v3/README.txt has the unprofiled fault/fix timings). The
+first cause is the mechanism the fix removed, its remedy follows from the call that holds the
+time (no DataLoader for a collection or a sleep), its saving is within 1.5x of the measured one;
+the print job (measured: no difference) and the healthy job get no print or sync cause."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aiprof.pipeline import build_report
+from aiprof.trace.store import open_capture
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "v3"
+# (fault - fix) / fault, unprofiled medians of 3 alternating rounds (tests/data/v3/README.txt)
+MEASURED = {"gc_fault": 0.963, "ckpt_fault": 0.976, "stall_fault": 0.633}
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    cache: dict = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            d = tmp_path_factory.mktemp(name) / name
+            shutil.copytree(DATA / name, d)  # the analysis caches next to the trace: not in the repo
+            cache[name] = build_report(open_capture(str(d)))
+        return cache[name]
+    return get
+
+
+def within(pred: float, meas: float, factor: float = 1.5) -> bool:
+    return meas / factor <= pred <= meas * factor
+
+
+def test_gc_collect_is_named_once_with_its_own_remedy(reports):
+    rep = reports("gc_fault")
+    c = rep["causes"][0]
+    assert c["code"] == "HOST_PREPROCESSING" and c["evidence"]["leaf"] == "<built-in function collect>"
+    assert "`gc.collect`" in c["title"] and "v3_job.py(114): step" in c["title"]
+    assert "don't call it every step" in c["remedy"] and "gc.freeze()" in c["remedy"]
+    assert "DataLoader" not in c["remedy"] and "worker" not in c["remedy"]
+    assert within(c["saving"]["share"], MEASURED["gc_fault"])
+    # one cause for the collection: the frame the profiler caught mid-call (v3_job.py(124)) does
+    # not claim the same collection again at its caller
+    assert sum(x["code"] == "HOST_PREPROCESSING" for x in rep["causes"] + rep["minor"]) == 1
+
+
+def test_one_step_sleep_is_a_stall_of_its_step(reports):
+    rep = reports("stall_fault")
+    c = rep["causes"][0]
+    assert c["code"] == "HOST_STALL" and c["place"]["steps"] == [11]
+    assert "in step 11 in `time.sleep` called from v3_job.py(114)" in c["title"]
+    assert "remove the sleep" in c["remedy"] and "DataLoader" not in c["remedy"]
+    assert 70_000 <= c["evidence"]["pause_us"] <= 85_000
+    assert not any(x["code"] == "HOST_PREPROCESSING" for x in rep["causes"] + rep["minor"])
+    assert within(c["saving"]["share"], MEASURED["stall_fault"])
+
+
+def test_checkpoint_on_the_training_thread_is_priced_whole(reports):
+    rep = reports("ckpt_fault")
+    c = rep["causes"][0]
+    assert c["code"] == "SYNC_CHECKPOINT" and c["evidence"]["function"] == "torch.save"
+    assert "async_save" in c["remedy"] and "every N steps" in c["remedy"]
+    assert within(c["saving"]["share"], MEASURED["ckpt_fault"])
+    # the copies and syncs inside the save are its own: not claimed again (the script's own
+    # torch.cuda.synchronize() in main, outside the save, may stay: it saves nothing)
+    others = rep["causes"] + rep["minor"]
+    assert not any(x["code"] == "PAGEABLE_COPY" for x in others)
+    assert not any(x["code"] == "HOST_SYNC" and ": step" in x["place"]["site"] for x in others)
+    assert all(x["saving"]["share"] < 0.01 for x in others if x["code"] == "HOST_SYNC")
+
+
+@pytest.mark.parametrize("name", ["print_fault", "healthy_fault"])
+def test_negative_controls_get_no_print_or_sync_cause(reports, name):
+    """print_fault prints a GPU loss every step, measured 13.6 vs 14.9 ms: nothing to win."""
+    rep = reports(name)
+    for c in rep["causes"]:
+        if c["severity"] in ("medium", "high"):
+            assert c["code"] not in ("HOST_SYNC", "HOST_PREPROCESSING", "SYNC_CHECKPOINT", "HOST_STALL")
+            assert "print" not in c["title"].lower()
