@@ -121,7 +121,9 @@ def test_cpu_traces(cpu_reports):
     steps = {s["step"]: s["duration_us"] for s in slow["ranks"][0]["steps"]}
     top = slow["causes"][0]
     assert top["code"] == "DATALOADER_STARVED" and "get_batch" in top["title"] and "sleep" in top["title"]
-    assert top["place"]["steps"] == [max(steps, key=steps.get)]
+    # the injected stall's step is named; on a loaded machine (two shared cores) another step's
+    # real get_batch can also stall past the cause's threshold, and naming it too is right
+    assert max(steps, key=steps.get) in top["place"]["steps"]
     assert top["saving"]["total_us"] > 40_000
 
 
