@@ -54,7 +54,7 @@ demo: setup
 test: setup browser
 	$(BIN)/python -m pytest -q
 
-# The newest versions pyproject.toml allows (torch stays TORCH_SPEC), in their own venv: what the
+# The newest versions pyproject.toml allows (torch too: TORCH_SPEC only seeds it), in their own venv: what the
 # next `make lock` would bring in, tried before it lands.
 LATEST ?= .venv-latest
 test-latest: $(STATIC) browser

@@ -41,6 +41,12 @@ class OffstopError(RuntimeError):
     """The profiler could not be detached or finished here; ``str()`` says why."""
 
 
+# The C++ standard torch's own extensions build with (torch.utils.cpp_extension: C++20 since 2.x);
+# torch 2.14's headers need it (std::strong_ordering in c10/util/intrusive_ptr.h: `make
+# test-latest` found the C++17 build failing there).
+CXX_STD = "c++20"
+
+
 def _source() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "offstop.cpp")
 
@@ -57,8 +63,8 @@ def _plan() -> tuple[str, list[str]]:
         raise cbuild.BuildError("torch's C++ headers are not installed (torch/include)")
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     # the torch build is part of the key: the helper calls its C++ ABI directly
-    key = cbuild.digest([_source()], [torch.__version__, lib_dir, str(abi)])
-    args = ["-x", "c++", "-shared", "-fPIC", "-O1", "-w", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    key = cbuild.digest([_source()], [torch.__version__, lib_dir, str(abi), CXX_STD])
+    args = ["-x", "c++", "-shared", "-fPIC", "-O1", "-w", f"-std={CXX_STD}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             _source(), *(f"-I{d}" for d in incs), f"-L{lib_dir}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib_dir}"]
     return key, args
 
