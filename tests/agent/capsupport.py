@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tests import procs
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny_train.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -80,10 +82,4 @@ def torch_loaded(pid: int) -> bool:
 
 def stop(proc: subprocess.Popen) -> None:
     """Terminate a child we started (bounded)."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    procs.stop(proc)

@@ -23,6 +23,8 @@ from aiprof.server.netguard import HEADER_TIMEOUT_S
 from aiprof.server.registry import MAX_AGENTS_PER_ADDRESS
 from aiprof.server.upload_routes import LOCK_WAIT_S
 
+from tests import procs
+
 DATA = Path(__file__).parent.parent / "data"
 ANSWER_S = 30.0  # generous bound on any answer the tests wait for
 
@@ -223,12 +225,7 @@ def ui_url(tmp_path):
             time.sleep(0.05)
         yield url
     finally:
-        p.terminate()
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(5)
+        procs.stop(p)
 
 
 def test_ui_answers_only_to_local_host_names(ui_url):

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import procs
+
 REPO = Path(__file__).resolve().parents[2]
 LOCK = REPO / "requirements" / "lock.txt"  # exact versions (make lock); used as constraints when present
 TRACE = REPO / "tests" / "data" / "gpt2_train_stall.json.gz"  # GPT-2, 1 H200, 5 steps, 2.6 MB
@@ -243,12 +245,7 @@ def test_ui_serves_the_api_and_the_built_front_end(venv, tmp_path):
                 assert "javascript" in ctype, (a, ctype)
         assert len(_get(base + "assets/app.js")[2]) > APP_BUNDLE_MIN_BYTES
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        procs.stop(proc)
         proc.stdout.close()
     assert "not built" not in errlog.read_text(), errlog.read_text()
 
