@@ -41,9 +41,11 @@ def test_registry_is_well_formed():
         assert d.reads and set(d.reads) <= known, (d.code, set(d.reads) - known)
         assert d.every_rank is None or d.scope == Scope.JOB
         assert not d.acts_on or d.scope == Scope.RANK
-    # the generic remedy is priced after every specific rank cause: it runs last among them
-    rank = [d for d in causes.REGISTRY if d.scope == Scope.RANK]
+    # the generic remedy is priced after every specific rank cause: it runs last among them, but
+    # for the one that reads what all the others found (the unclaimed leaves), which runs after it
+    rank = [d for d in causes.REGISTRY if d.scope == Scope.RANK and not d.last]
     assert [d.generic for d in rank] == [False] * (len(rank) - 1) + [True]
+    assert [d.code for d in causes.REGISTRY if d.last] == ["UNEXPLAINED"] and causes.REGISTRY[-1].last
 
 
 def test_experimental_detectors_run_only_when_asked():

@@ -50,6 +50,8 @@ class Detector:
     #: RANK: the classes of work its fix acts on (analysis.hotspots / analysis.ranks classes): on a
     #: straggler that does more of one of them than the median rank, it can be the straggler's cause
     acts_on: tuple[str, ...] = ()
+    #: it reads what every other detector of its scope found (``facts.extra["found"]``): runs last
+    last: bool = False
     #: it failed its own validation pair: runs only when named in $AIPROF_EXPERIMENTAL_CAUSES
     experimental: bool = False
     #: JOB scope: a condition every rank of the job must meet for the cause to be the job's; the

@@ -17,6 +17,7 @@ from aiprof.analysis.kernels import KernelAnalysis
 from aiprof.analysis.runtime import RuntimeAnalysis
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis import causes as registry
+from aiprof.diagnosis.critical_path import leaf_table
 from aiprof.diagnosis.detector import JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts, calibrate_host
 from aiprof.diagnosis.graph import RankCollectives, build_graph
@@ -156,8 +157,9 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = Fa
     # the host regions the causes found so far own (this array, growing): a GPU-side detector
     # leaves their kernels to the cause whose fix removes them
     f.extra["owned_nodes"] = claimed
+    f.extra["found"] = found  # what the detectors found so far, for those that run last
     dets = registry.detectors(Scope.RANK, asked) + (() if coupled else registry.detectors(Scope.UNCOUPLED, asked))
-    for det in dets:
+    for det in sorted(dets, key=lambda d: d.last):
         if det.generic:
             f.extra["claimed_nodes"] = claimed
         for c in det.detect(f):
@@ -240,7 +242,9 @@ def baseline_entry(f: RankFacts, coupled: bool) -> dict:
             "profiler_cost_scale": f.host_scale[0], "host_scale": f.host_scale[1],
             "profiler_cost_us": f.graph.deflated_ns / max(len(f.steps), 1) / NS_PER_US,
             "coupled": bool(coupled),
-            "launch_latency_us": f.graph.launch_latency_ns / NS_PER_US}
+            "launch_latency_us": f.graph.launch_latency_ns / NS_PER_US,
+            # where the replayed step's time goes, leaf by leaf (diagnosis/critical_path.py)
+            "critical_path": leaf_table(f, f.extra.get("found", []))}
 
 
 def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict]) -> dict:

@@ -76,6 +76,21 @@ def combine(g: Graph, edits: list[Edit], label: str = "") -> Edit:
 
 
 @dataclass
+class Trace:
+    """What one replay did, for the walk back along its critical path (diagnosis.critical_path):
+    per action its start and end, per op the time it was ready (its stream free, its launch made,
+    its dependencies done, its delay kept) and its end, per matched collective the other ranks'
+    latest arrival; and the effective (edited) host times and GPU durations."""
+
+    a_start: list = field(default_factory=list)
+    a_end: list = field(default_factory=list)
+    o_ready: list = field(default_factory=list)
+    o_end: list = field(default_factory=list)
+    c_latest: dict = field(default_factory=dict)
+    effective: dict = field(default_factory=dict)
+
+
+@dataclass
 class ReplayResult:
     total_ns: float  # first step's start until host and GPU are both done
     step_ns: np.ndarray  # per step, between replayed step starts (the last ends with the window)
@@ -90,7 +105,7 @@ class ReplayResult:
 
 
 def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, starts: list | None = None,
-           op_ends: list | None = None) -> ReplayResult:
+           op_ends: list | None = None, trace: Trace | None = None) -> ReplayResult:
     """Simulate ``g`` (optionally with ``edit`` applied) and time the window.
 
     A collective completes once every rank has arrived, then takes its transfer time: the other
@@ -98,7 +113,7 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
     from the recording. (:func:`aiprof.diagnosis.job.joint_replay` simulates the ranks together.)
     """
     others = release if release is not None else g.c_others
-    sim = simulate(g, edit, starts, op_ends)
+    sim = simulate(g, edit, starts, op_ends, trace)
     try:
         c, arrival = next(sim)
         while True:
@@ -108,10 +123,12 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
 
 
 def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
-             op_ends: list | None = None) -> Generator[tuple[int, float], float, ReplayResult]:
+             op_ends: list | None = None, trace: Trace | None = None
+             ) -> Generator[tuple[int, float], float, ReplayResult]:
     """The replay as a coroutine: at each matched collective it yields ``(id, this rank's
     arrival)`` and is sent the other ranks' latest arrival (ns, this rank's clock); it returns
-    the :class:`ReplayResult`. A driver can so advance several ranks in step."""
+    the :class:`ReplayResult`. A driver can so advance several ranks in step. ``trace`` receives
+    every action's start and end and every op's ready time and end (the critical path's walk)."""
     n_act, n_op = g.n_actions, g.n_ops
     gap = g.gap if edit is None or edit.gap_remove is None else g.gap - np.minimum(edit.gap_remove, np.maximum(g.gap, 0))
     cost = g.cost if edit is None or edit.cost_remove is None else np.maximum(g.cost - edit.cost_remove, 0.0)
@@ -146,6 +163,9 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
         start = max(start, prev_start)
         if starts is not None:
             starts.append(start)
+        if trace is not None:
+            trace.a_start.append(start)
+            trace.a_end.append(start)  # set below once the action's end is known
         k = kind_l[i]
         if k == STEP:
             step_t.append(start)
@@ -163,12 +183,17 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
             latest = (yield c, arr) if c in transfer else arr
             done = max(arr, latest) + transfer.get(c, 0.0)
             end = max(start, done)
+            if trace is not None:
+                trace.a_end[-1] = end
+                trace.c_latest[c] = latest
             cursor = max(cursor, end)
             prev_start = start
             continue
         while j < n_op and oact[j] == i:
             if drop_l[j]:
                 gend[j] = start
+                if trace is not None:
+                    trace.o_ready.append(start)
                 j += 1
                 continue
             s = ostream[j]
@@ -183,9 +208,14 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                         ready = max(ready, gend[d])
                 ready += odelay[j]
             c = ocoll[j]
+            if trace is not None:
+                trace.o_ready.append(ready)
             if c >= 0 and c in transfer:
                 arrivals[c] = ready
-                e = max(ready, (yield c, ready)) + transfer[c]
+                latest = yield c, ready
+                if trace is not None:
+                    trace.c_latest[c] = latest
+                e = max(ready, latest) + transfer[c]
             else:
                 e = ready + dur_l[j]
             tails[s] = e
@@ -197,10 +227,16 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
         w = wait_l[i]
         if w >= 0 and not nowait_l[i] and gend[w] > start:
             end = gend[w] + cost_l[i]
+        if trace is not None:
+            trace.a_end[-1] = end
         cursor = max(cursor, end)
         prev_start = start
     if op_ends is not None:
         op_ends.extend(gend)
+    if trace is not None:
+        trace.o_end = gend[:j]
+        trace.effective = {"gap": gap, "cost": cost, "dur": dur, "drop": drop, "packed": packed,
+                           "no_wait": no_wait, "packed_gap_ns": pgap, "transfer": transfer}
     total = max(cursor, gpu_end) - lo
     st = np.array(step_t, dtype=np.float64)
     step_ns = np.diff(np.append(st, lo + total)) if len(st) else np.array([total])

@@ -14,6 +14,7 @@ from aiprof.report.serving_text import render_serving
 from aiprof.termtext import safe
 
 _MAX_RANK_DETAIL = 8  # beyond this many ranks, steps tables give way to one row per rank
+_PATH_ROWS = 8  # leaves of the critical-path table (the JSON keeps diagnosis.critical_path.TOP_LEAVES)
 # A pipe or a file has no width: wide enough that the widest table (counters, 12 columns) keeps
 # its rows on one line, and the same on every machine so saved reports diff cleanly.
 PIPED_WIDTH = 140
@@ -186,12 +187,42 @@ def _causes(console: Console, report: dict) -> None:
             rank = "job" if s.get("rank") is None else f"rank {s['rank']}"
             console.print(f"   - {rank}: {s['title']} — {_ms(s['unexplained_us'] / max(_steps_of(report, s), 1))} ms per "
                           "step unexplained; no detected mechanism accounts for it (see the hotspots and the step diff)")
+    path = _critical_path_table(report)
+    if path is not None:
+        console.print(path)
     for b in report.get("baseline", []):
         un = b.get("unprofiled_step_us")
         console.print(Text(f"rank {b['rank']}: recorded step {_ms(b['recorded_step_us'])} ms under the profiler; "
                            + (f"unprofiled {_ms(un)} ms (measured by the agent before the capture)" if un else
                               "unprofiled step not recorded (estimated by removing the profiler's cost)")
                            + f"; savings are shares of the replayed {_ms(b['replayed_step_us'])} ms", style="dim"))
+
+
+def _critical_path_table(report: dict) -> Table | None:
+    """Where the replayed step of one rank goes, leaf by leaf (the first cause's rank, else the
+    first rank): the diagnosis's critical-path rows, as computed."""
+    base = report.get("baseline") or []
+    causes = report.get("causes") or []
+    want = causes[0].get("rank") if causes and causes[0].get("rank") is not None else None
+    b = next((x for x in base if x.get("rank") == want), base[0] if base else None)
+    cp = (b or {}).get("critical_path")
+    if not cp or not cp.get("leaves"):
+        return None
+    t = Table(title=f"Where rank {b['rank']}'s replayed {_ms(cp['per_step_us'])} ms step goes (critical path, by leaf; "
+                    f"the GPU waits for the host in {100 * cp['loss_share']:.0f}% of it)",
+              title_justify="left", show_edge=False)
+    for col, j in (("ms/step", "right"), ("share", "right"), ("kind", "left"), ("leaf", "left"),
+                   ("called from", "left"), ("claimed by", "left")):
+        t.add_column(col, justify=j, overflow="fold")
+    for lf in cp["leaves"][:_PATH_ROWS]:
+        where = " in ".join(x for x in (lf.get("entry_label", ""), lf.get("site", "")) if x)
+        t.add_row(_ms(lf["per_step_us"]), f"{100 * lf['share']:.1f}%", lf["kind"] + (" (GPU idle)" if lf["loss"] else ""),
+                  lf.get("label") or lf["name"], where, ", ".join(lf["claimed_by"]) or ("—" if not lf["loss"] else "no cause"))
+    rest = cp.get("other_per_step_us", 0.0) + sum(lf["per_step_us"] for lf in cp["leaves"][_PATH_ROWS:])
+    if rest > 0:
+        t.add_row(_ms(rest), f"{100 * rest / max(cp['per_step_us'], 1e-9):.1f}%", "",
+                  f"{cp.get('other_leaves', 0) + max(len(cp['leaves']) - _PATH_ROWS, 0)} other leaves", "", "")
+    return t
 
 
 def _steps_of(report: dict, item: dict) -> int:

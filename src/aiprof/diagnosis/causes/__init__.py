@@ -34,6 +34,7 @@ from aiprof.diagnosis.causes import (
     straggler,
     sync_checkpoint,
     syscall_blocked,
+    unexplained,
     unfused_optimizer,
 )
 from aiprof.diagnosis.detector import Detector, Scope
@@ -71,6 +72,8 @@ REGISTRY: tuple[Detector, ...] = (
     # DDP's 25 MB buckets measured 0.8 % apart, and it predicted 14.2 % (docs/findings.md, Validation)
     comm_overlap.DETECTOR,
     straggler.DETECTOR,
+    # last of the rank detectors (Detector.last): names the critical path's leaves no cause claims
+    unexplained.DETECTOR,
 )
 # Detectors marked experimental run only when named here (comma-separated codes).
 EXPERIMENTAL_ENV = "AIPROF_EXPERIMENTAL_CAUSES"

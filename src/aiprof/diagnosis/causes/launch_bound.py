@@ -71,7 +71,7 @@ def detect(f: RankFacts) -> list[Cause]:
     fix = graph_fix(f, CODE, claimed)
     if fix is None:
         return []
-    e, acts, _, claims = fix
+    e, acts, region, claims = fix
     per = max(len(f.steps), 1)
     n_launch = int(acts.sum())
     kd = g.o_dur[acts[g.o_action]]
@@ -91,7 +91,7 @@ def detect(f: RankFacts) -> list[Cause]:
         remedy=remedy, place=Place("step", "model forward/backward", "", [], []),
         evidence={"launches_per_step": n_launch / per, "median_kernel_us": float(np.median(kd)) / 1e3,
                   "graph_kernel_gap_ns": GRAPH_KERNEL_GAP_NS, "compiled": compiled},
-        edit=e, claims=claims)]
+        edit=e, claims=claims, region=region)]
 
 
 DETECTOR = Detector(CODE, Scope.RANK, reads=("extra", "graph", "has_gpu", "steps", "tree"), detect=detect, generic=True,
