@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 import numpy as np
 
 from aiprof.analysis.hotspots import KIND_NAMES as HOST_EVENT_KINDS
 from aiprof.analysis.hotspots import OP, PYTHON, RUNTIME
 from aiprof.analysis.kernels import kernel_family
+from aiprof.analysis.loading import is_library_frame
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
 from aiprof.diagnosis.leafnames import leaf_display
@@ -62,16 +62,19 @@ class Leaf:
     entry: str = ""  # host leaves inside a library: the library call the user's code made (torch.save)
     ns: float = 0.0
     by_step_ns: dict = field(default_factory=dict)  # step number -> ns in that step
-    # what removing the leaf's time removes, as a replay edit: its host work as (action whose gap
-    # holds it, host node, replayed ns), the calls' own cost by action, the ops whose launch
-    # latency it is
-    pieces: list = field(default_factory=list)
-    cost_ns: dict = field(default_factory=dict)
-    ops: list = field(default_factory=list)
+    # what removing the leaf's time removes, as a replay edit: its host work (the action whose gap
+    # holds each piece, the host node, replayed ns), its calls' own cost (action, ns), the ops
+    # whose launch latency it is
+    piece_action: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    piece_node: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    piece_ns: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    cost_action: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    cost_ns: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    ops: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
-    @property
-    def loss(self) -> bool:
-        return self.kind in (KIND_NAMES[k] for k in LOSS_KINDS)
+    # the GPU waits for it (host work, a call, a launch's latency, on a rank with a GPU); without
+    # a GPU the host's time is the work itself
+    loss: bool = False
 
 
 @dataclass
@@ -210,145 +213,250 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
 
 
 # ---------------------------------------------------------------------------------------- leaves
-def _host_label(f: RankFacts, node: int) -> tuple[str, str, str, str, str]:
+@dataclass
+class _Nodes:
+    """Per host-tree node, computed once per rank (one vectorised pass per tree depth): the node a
+    leaf names (a CUDA call's time is its caller's), the nearest user frame, the nearest op, and
+    for frames inside a library the library call the user's code made."""
+
+    named: np.ndarray
+    user: np.ndarray
+    op: np.ndarray
+    entry: np.ndarray
+
+
+def _nodes(f: RankFacts) -> _Nodes:
+    got = f.extra.get("_leaf_nodes")
+    if got is not None:
+        return got
+    tree = f.tree
+    n = len(tree)
+    ids = np.arange(n, dtype=np.int64)
+    is_user = f.node_mask(lambda s: not is_library_frame(s), (PYTHON,)) if n else np.zeros(0, bool)
+    is_op = tree.kind == OP if n else np.zeros(0, bool)
+    user = np.where(is_user, ids, -1)
+    op = np.where(is_op, ids, -1)
+    entry = np.full(n, -1, np.int64)
+    for idx in f._by_depth():  # shallowest first: a node's parent is done before it
+        p = tree.parent[idx]
+        ok = p >= 0
+        i, pp = idx[ok], p[ok]
+        user[i] = np.where(is_user[i], i, user[pp])
+        op[i] = np.where(is_op[i], i, op[pp])
+        entry[i] = np.where(is_user[pp], i, entry[pp])
+    named = np.where((tree.kind == RUNTIME) & (tree.parent >= 0), tree.parent, ids) if n else ids
+    got = f.extra["_leaf_nodes"] = _Nodes(named, user, op, entry)
+    return got
+
+
+def _name_of(f: RankFacts, node: int) -> str:
+    return f.tree.name(node) if node >= 0 else ""
+
+
+def _host_label(f: RankFacts, nodes: _Nodes, node: int) -> tuple[str, str, str, str, str]:
     """(kind, name, site, event kind, entry) of a host node as a leaf: an op's own time is its
     dispatch; a frame inside a library also names the library call the user's code made."""
-    tree = f.tree
-    while node >= 0 and tree.kind[node] == RUNTIME:
-        node = int(tree.parent[node])
     if node < 0:
         return KIND_NAMES[HOST], UNTRACED, "", "", ""
+    node = int(nodes.named[node])
+    tree = f.tree
     name = tree.name(node)
-    site = tree.user_site(node)
-    entry = ""
-    if tree.kind[node] == PYTHON and site and site != name:
-        chain = tree.ancestors(node)  # innermost first: the frame just below the user's
-        for inner, outer in pairwise(chain):
-            if tree.kind[outer] == PYTHON and tree.name(outer) == site:
-                entry = tree.name(inner) if inner != node else ""
-                break
+    site = _name_of(f, int(nodes.user[node]))
+    e = int(nodes.entry[node])
+    entry = _name_of(f, e) if tree.kind[node] == PYTHON and e != node else ""
     return KIND_NAMES[HOST], name, "" if site == name else site, HOST_EVENT_KINDS[int(tree.kind[node])], entry
 
 
-def _call_label(f: RankFacts, action: int) -> tuple[str, str, str]:
-    tree = f.tree
+def _call_label(f: RankFacts, nodes: _Nodes, action: int) -> tuple[str, str, str]:
     name = f.graph.action_name(action)
     node = int(f.action_nodes()[action])
-    op = int(tree.nearest(np.array([tree.parent[node]]), OP)[0]) if node >= 0 and tree.parent[node] >= 0 else -1
-    site = tree.name(op) if op >= 0 else (tree.user_site(node) if node >= 0 else "")
+    op = int(nodes.op[node]) if node >= 0 else -1
+    site = _name_of(f, op) if op >= 0 else (_name_of(f, int(nodes.user[node])) if node >= 0 else "")
     return KIND_NAMES[CALL], name or "marker", site
 
 
-def _op_label(f: RankFacts, j: int, kind: int) -> tuple[str, str, str]:
-    g = f.graph
-    rt = f.rt
-    if g.o_table[j] == 0:
-        name = rt.kernels.strings("name").labels[rt.kernels.strings("name").codes[g.o_row[j]]]
-        cls = classify.kernel_class(name)
-        label = (f"{classify.collective_type(name) or 'collective'} ({kernel_family(name)})"
-                 if cls == classify.COMMUNICATION else kernel_family(name))
-    else:
-        m = rt.table("memops")
-        name = m.strings("name").labels[m.strings("name").codes[g.o_row[j]]]
-        label, cls = name, "memory"
+def _op_label(f: RankFacts, nodes: _Nodes, j: int, kind: int, memo: dict) -> tuple[str, str, str]:
     if kind == LATENCY:
         return KIND_NAMES[LATENCY], "kernel launch latency", ""
     if kind == DELAY:
         return KIND_NAMES[DELAY], "GPU start delay the trace does not explain", ""
-    # who issued it: the op that launched it, and the user's frame
-    tree = f.tree
+    g = f.graph
+    table = f.rt.kernels if g.o_table[j] == 0 else f.rt.table("memops")
+    code = int(table.strings("name").codes[g.o_row[j]])
     node = int(f.action_nodes()[int(g.o_action[j])])
-    issuer = ""
-    if node >= 0:
-        op = int(tree.nearest(np.array([node]), OP)[0])
-        issuer = tree.name(op) if op >= 0 else ""
-        site = tree.user_site(node)
-        issuer = " at ".join(x for x in (issuer, site) if x)
-    k = TRANSFER if kind in (TRANSFER, WAIT) else GPU
+    op, user = (int(nodes.op[node]), int(nodes.user[node])) if node >= 0 else (-1, -1)
+    key = (int(g.o_table[j]), code, kind, f.tree.code[op] if op >= 0 else -1, f.tree.code[user] if user >= 0 else -1)
+    got = memo.get(key)
+    if got is not None:
+        return got
+    name = table.strings("name").labels[code]
+    if g.o_table[j] == 0:
+        cls = classify.kernel_class(name)
+        label = (f"{classify.collective_type(name) or 'collective'} ({kernel_family(name)})"
+                 if cls == classify.COMMUNICATION else kernel_family(name))
+    else:
+        label, cls = name, "memory"
+    # who issued it: the op that launched it, and the user's frame
+    issuer = " at ".join(x for x in (_name_of(f, op), _name_of(f, user)) if x)
     if kind == WAIT:
-        return KIND_NAMES[WAIT], f"{label}: waiting for the other ranks", issuer
-    return KIND_NAMES[k], f"{label} [{cls}]" if k == GPU else label, issuer
+        got = (KIND_NAMES[WAIT], f"{label}: waiting for the other ranks", issuer)
+    elif kind == TRANSFER:
+        got = (KIND_NAMES[TRANSFER], label, issuer)
+    else:
+        got = (KIND_NAMES[GPU], f"{label} [{cls}]", issuer)
+    memo[key] = got
+    return got
 
 
-def _gap_pieces(f: RankFacts, actions: np.ndarray, replayed: np.ndarray) -> list[tuple[int, int, float]]:
+def _gap_pieces(f: RankFacts, actions: np.ndarray, replayed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split the host work before each action (replayed ns) over the innermost host events open in
-    its recorded gap, in proportion: (action, node or -1, ns). On the main thread the timeline says
-    which event is innermost at each instant; work before a call on another thread (the autograd
-    engine's) belongs to the event that made the call."""
+    its recorded gap, in proportion: (action, node or -1, ns) arrays. On the main thread the
+    timeline says which event is innermost at each instant (time with none open is -1); work
+    before a call on another thread (the autograd engine's) belongs to the event that made it."""
     g, tree = f.graph, f.tree
-    out: list[tuple[int, int, float]] = []
+    z = np.zeros(0, np.int64)
     if not len(actions):
-        return out
-    prev = np.concatenate([[g.lo], np.maximum.accumulate(g.a_end)[:-1]])
-    lo_r, hi_r = prev[actions].astype(np.float64), g.a_ts[actions].astype(np.float64)
+        return z, z, np.zeros(0)
+    prev = np.concatenate([[g.lo], np.maximum.accumulate(g.a_end)[:-1]]).astype(np.float64)
+    lo_r, hi_r = prev[actions], g.a_ts[actions].astype(np.float64)
     nodes = f.action_nodes()[actions]
-    main = (nodes < 0) | (tree.tid[np.maximum(nodes, 0)] == tree.main_tid) if len(tree) else np.ones(len(actions), bool)
+    owner = np.where(nodes >= 0, tree.parent[np.maximum(nodes, 0)] if len(tree) else -1, -1)
+    span = hi_r - lo_r
+    main = ((nodes < 0) | (tree.tid[np.maximum(nodes, 0)] == tree.main_tid)) if len(tree) else np.zeros(len(actions), bool)
     ss, se, top = tree.seg_start, tree.seg_end, tree.seg_top
-    for a, l, h, n, m, rep in zip(actions.tolist(), lo_r, hi_r, nodes.tolist(), main.tolist(), replayed.tolist()):
-        span = h - l
-        if span <= 0 or not m or not len(ss):
-            owner = int(tree.parent[n]) if n >= 0 else -1
-            out.append((a, owner, rep))
-            continue
-        k0 = int(np.searchsorted(se, l, side="right"))
-        k1 = int(np.searchsorted(ss, h, side="left"))
-        if k1 <= k0:
-            out.append((a, -1, rep))
-            continue
-        ov = np.minimum(se[k0:k1], h) - np.maximum(ss[k0:k1], l)
-        tops = top[k0:k1]
-        scale = rep / span
-        covered = 0.0
-        for t, o in zip(tops.tolist(), ov.tolist()):
-            if o > 0:
-                out.append((a, int(t), o * scale))
-                covered += o
-        if span - covered > 0:
-            out.append((a, -1, (span - covered) * scale))
-    return out
+    timeline = main & (span > 0) & (len(ss) > 0)
+    k0 = np.searchsorted(se, lo_r, side="right") if len(ss) else np.zeros(len(actions), np.int64)
+    k1 = np.searchsorted(ss, hi_r, side="left") if len(ss) else np.zeros(len(actions), np.int64)
+    cnt = np.where(timeline, np.maximum(k1 - k0, 0), 0)
+    # gaps not split by the timeline: one piece, the calling event's (or none)
+    whole = ~timeline
+    out_a, out_n, out_ns = [actions[whole]], [owner[whole]], [replayed[whole]]
+    rows = np.nonzero(cnt > 0)[0]
+    if len(rows):
+        rep = np.repeat(rows, cnt[rows])
+        first = np.repeat(k0[rows], cnt[rows])
+        seg = first + (np.arange(len(rep)) - np.repeat(np.cumsum(cnt[rows]) - cnt[rows], cnt[rows]))
+        ov = np.minimum(se[seg], hi_r[rep]) - np.maximum(ss[seg], lo_r[rep])
+        ok = ov > 0
+        scale = replayed / np.where(span > 0, span, 1.0)
+        out_a.append(actions[rep[ok]])
+        out_n.append(top[seg[ok]].astype(np.int64))
+        out_ns.append(ov[ok] * scale[rep[ok]])
+        covered = np.bincount(rep[ok], weights=ov[ok], minlength=len(actions))
+    else:
+        covered = np.zeros(len(actions))
+    # what no event covers, and gaps the timeline holds no segment of
+    rest = timeline & (span - covered > 0)
+    out_a.append(actions[rest])
+    out_n.append(np.full(int(rest.sum()), -1, np.int64))
+    out_ns.append((span - covered)[rest] * (replayed / np.where(span > 0, span, 1.0))[rest])
+    return np.concatenate(out_a), np.concatenate(out_n).astype(np.int64), np.concatenate(out_ns)
+
+
+def _norm_ids(f: RankFacts) -> np.ndarray:
+    """Per tree label code, an id of the label without line numbers (with a trailing -1 slot): a
+    frame's line varies with where the profiler caught it, not with what the function is."""
+    got = f.extra.get("_leaf_norm")
+    if got is None:
+        ids: dict[str, int] = {}
+        got = np.array([ids.setdefault(_LINE.sub("", s), len(ids)) for s in f.tree.labels] + [-1], np.int64)
+        f.extra["_leaf_norm"] = got
+    return got
 
 
 def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
-    """The rank's critical path grouped by leaf, largest first (their ns add up to the window)."""
+    """The rank's critical path grouped by leaf, largest first (their ns add up to the window):
+    every segment (host work split over its events) gets a key of integers, the keys are grouped
+    at once and each distinct leaf is named from its first segment."""
     path = path or walk(f)
-    g = f.graph
-    step_of_action = np.cumsum(g.a_kind == 3) - 1  # STEP markers open each step
-    numbers = g.step_number
-    by_key: dict[str, Leaf] = {}
+    g, tree = f.graph, f.tree
+    nodes = _nodes(f)
+    norm = _norm_ids(f)
+    code = np.append(tree.code, len(norm) - 1) if len(tree) else np.zeros(1, np.int64) + (len(norm) - 1)
 
-    def put(kind: str, name: str, site: str, event: str, entry: str, ns: float, action: int,
-            node: int | None = None, cost: bool = False, op: int = -1) -> None:
-        # one leaf per event and calling function: a frame label's line number varies with the
-        # line the function was at, not with what it is
-        key = f"{kind}|{name}|{_LINE.sub('', site)}"
-        lf = by_key.get(key)
-        if lf is None:
-            lf = by_key[key] = Leaf(key, kind, name, site, event, entry)
-        lf.ns += ns
-        if 0 <= action < len(step_of_action) and len(numbers):
-            s = int(numbers[min(max(int(step_of_action[action]), 0), len(numbers) - 1)])
-            lf.by_step_ns[s] = lf.by_step_ns.get(s, 0.0) + ns
-        if node is not None:
-            lf.pieces.append((action, node, ns))
-        if cost:
-            lf.cost_ns[action] = lf.cost_ns.get(action, 0.0) + ns
-        if op >= 0:
-            lf.ops.append(op)
+    def nid(node: np.ndarray) -> np.ndarray:  # normalised label id of nodes (-1: none)
+        return norm[code[np.where(node >= 0, node, len(code) - 1)]]
 
     host = path.kind == HOST
-    for a, node, ns in _gap_pieces(f, path.index[host], path.ns[host]):
-        put(*_host_label(f, node), ns, a, node=node)
-    for k, i, ns, on_a in zip(path.kind.tolist(), path.index.tolist(), path.ns.tolist(), path.on_action.tolist()):
-        if k == HOST:
-            continue
-        if k == CALL:
-            put(*_call_label(f, i), "", "", ns, i, cost=True)
-        elif on_a:  # a collective run by a host backend (gloo): its start marker's issuer
-            what = "the collective" if k == TRANSFER else "the collective: waiting for the other ranks"
-            put(KIND_NAMES[k], f"{what} (host backend)", _issuer(f, i), "", "", ns, i)
+    pa, pn, pns = _gap_pieces(f, path.index[host], path.ns[host])
+    named = np.where(pn >= 0, nodes.named[np.maximum(pn, 0)], -1) if len(tree) else np.full(len(pn), -1)
+    user_h = np.where(named >= 0, nodes.user[np.maximum(named, 0)], -1) if len(tree) else named
+    rows = [np.stack([np.full(len(pa), HOST), nid(named), nid(user_h), np.zeros(len(pa), np.int64)], 1)]
+    item_ns, item_action, item_ref, item_kind = [pns], [pa], [pn], [np.full(len(pa), HOST)]
+    an = f.action_nodes()
+    rest = ~host
+    k, i, ns, on_a = path.kind[rest].astype(np.int64), path.index[rest], path.ns[rest], path.on_action[rest]
+    call = k == CALL
+    ca = i[call]
+    cnode = an[ca] if len(an) else np.zeros(0, np.int64)
+    cop = np.where(cnode >= 0, nodes.op[np.maximum(cnode, 0)], -1) if len(tree) else cnode
+    cuser = np.where((cnode >= 0) & (cop < 0), nodes.user[np.maximum(cnode, 0)], -1) if len(tree) else cnode
+    rows.append(np.stack([np.full(len(ca), CALL), g.a_code[ca], nid(cop), nid(cuser)], 1))
+    item_ns.append(ns[call]); item_action.append(ca); item_ref.append(ca); item_kind.append(k[call])
+    hc = on_a & ~call  # a collective run by a host backend (gloo)
+    zero = np.zeros(int(hc.sum()), np.int64)
+    rows.append(np.stack([k[hc] + len(KIND_NAMES), zero, zero, zero], 1))  # kinds apart from the GPU's
+    item_ns.append(ns[hc]); item_action.append(i[hc]); item_ref.append(i[hc]); item_kind.append(k[hc])
+    op = ~on_a & ~call
+    oj, ok = i[op], k[op]
+    onode = an[g.o_action[oj]] if len(oj) else np.zeros(0, np.int64)
+    oop = np.where(onode >= 0, nodes.op[np.maximum(onode, 0)], -1) if len(tree) else onode
+    ouser = np.where(onode >= 0, nodes.user[np.maximum(onode, 0)], -1) if len(tree) else onode
+    anon = (ok == LATENCY) | (ok == DELAY)  # one leaf each, whatever the op
+    ocode = np.zeros(len(oj), np.int64)
+    if len(oj):
+        kc = f.rt.kernels.strings("name").codes if len(f.rt.kernels) else np.zeros(0, np.int64)
+        m = f.rt.table("memops")
+        mc = m.strings("name").codes if len(m) else np.zeros(0, np.int64)
+        is_k = g.o_table[oj] == 0
+        ocode[is_k] = kc[g.o_row[oj[is_k]]]
+        ocode[~is_k] = mc[g.o_row[oj[~is_k]]].astype(np.int64) + (1 << 32)  # apart from kernel codes
+    rows.append(np.stack([ok, np.where(anon, -1, ocode), np.where(anon, -1, nid(oop)), np.where(anon, -1, nid(ouser))], 1))
+    item_ns.append(ns[op]); item_action.append(g.o_action[oj] if len(oj) else oj); item_ref.append(oj); item_kind.append(ok)
+    rows_a = np.concatenate(rows).astype(np.int64)
+    item_ns_a, item_action_a = np.concatenate(item_ns), np.concatenate(item_action).astype(np.int64)
+    item_ref_a, item_kind_a = np.concatenate(item_ref).astype(np.int64), np.concatenate(item_kind).astype(np.int64)
+    if not len(rows_a):
+        return []
+    keys, first, inv = np.unique(rows_a, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    totals = np.bincount(inv, weights=item_ns_a, minlength=len(keys))
+    step_of_action = np.cumsum(g.a_kind == 3) - 1  # STEP markers open each step
+    numbers = g.step_number
+    n_steps = max(len(numbers), 1)
+    st = np.clip(step_of_action[np.clip(item_action_a, 0, max(len(step_of_action) - 1, 0))], 0, n_steps - 1) \
+        if len(step_of_action) else np.zeros(len(inv), np.int64)
+    by_step = np.bincount(inv * n_steps + st, weights=item_ns_a, minlength=len(keys) * n_steps).reshape(len(keys), n_steps)
+    order = np.argsort(inv, kind="stable")
+    bounds = np.searchsorted(inv[order], np.arange(len(keys) + 1))
+    memo: dict = {}
+    out = []
+    for u in range(len(keys)):
+        j = int(first[u])
+        kind, ref = int(item_kind_a[j]), int(item_ref_a[j])
+        if kind == HOST:
+            label = _host_label(f, nodes, ref)
+        elif kind == CALL:
+            label = (*_call_label(f, nodes, ref), "", "")
+        elif keys[u][0] >= len(KIND_NAMES):
+            what = "the collective" if kind == TRANSFER else "the collective: waiting for the other ranks"
+            label = (KIND_NAMES[kind], f"{what} (host backend)", _issuer(f, ref), "", "")
         else:
-            put(*_op_label(f, i, k), "", "", ns, int(g.o_action[i]), op=i if k == LATENCY else -1)
-    return sorted(by_key.values(), key=lambda lf: -lf.ns)
+            label = (*_op_label(f, nodes, ref, kind, memo), "", "")
+        lf = Leaf("|".join(map(str, keys[u].tolist())), *label)
+        lf.ns = float(totals[u])
+        lf.loss = f.has_gpu and kind in LOSS_KINDS
+        lf.by_step_ns = {int(numbers[s_]): float(v) for s_, v in enumerate(by_step[u]) if v and len(numbers)}
+        if lf.loss:
+            mine = order[bounds[u]:bounds[u + 1]]
+            if kind == HOST:
+                lf.piece_action, lf.piece_node, lf.piece_ns = item_action_a[mine], item_ref_a[mine], item_ns_a[mine]
+            elif kind == CALL:
+                lf.cost_action, lf.cost_ns = item_action_a[mine], item_ns_a[mine]
+            elif kind == LATENCY:
+                lf.ops = item_ref_a[mine]
+        out.append(lf)
+    return sorted(out, key=lambda lf: -lf.ns)
 
 
 def _issuer(f: RankFacts, action: int) -> str:
@@ -378,17 +486,25 @@ def claimed_ns(f: RankFacts, leaf: Leaf, cause) -> float:
         return 0.0
     out = 0.0
     region = cause.region if cause.region is not None and len(cause.region) == len(f.tree) else None
-    gap = f.graph.gap
-    for a, node, ns in leaf.pieces:
-        if region is not None and node >= 0:
-            out += ns if region[node] else 0.0
-        elif e.gap_remove is not None and gap[a] > 0:
-            out += ns * min(1.0, float(e.gap_remove[a]) / float(gap[a]))
-    for a, ns in leaf.cost_ns.items():
-        if (e.cost_remove is not None and e.cost_remove[a] > 0) or (e.no_wait is not None and e.no_wait[a]):
-            out += ns
-    if leaf.ops and e.packed is not None and leaf.ns > 0:
-        out += leaf.ns * float(np.mean(e.packed[np.array(leaf.ops, np.int64)]))
+    if len(leaf.piece_ns):
+        a, node, ns = leaf.piece_action, leaf.piece_node, leaf.piece_ns
+        gap = f.graph.gap[a]
+        removed = np.zeros(len(a)) if e.gap_remove is None else e.gap_remove[a]
+        share = np.clip(np.divide(removed, gap, out=np.zeros(len(a)), where=gap > 0), 0.0, 1.0)
+        if region is not None:
+            inside = np.where(node >= 0, region[np.maximum(node, 0)], False)
+            share = np.where(node >= 0, inside.astype(np.float64), share)
+        out += float((ns * share).sum())
+    if len(leaf.cost_ns):
+        a = leaf.cost_action
+        hit = np.zeros(len(a), bool)
+        if e.cost_remove is not None:
+            hit |= e.cost_remove[a] > 0
+        if e.no_wait is not None:
+            hit |= e.no_wait[a]
+        out += float(leaf.cost_ns[hit].sum())
+    if len(leaf.ops) and e.packed is not None and leaf.ns > 0:
+        out += leaf.ns * float(np.mean(e.packed[leaf.ops]))
     return min(out, leaf.ns)
 
 
@@ -411,7 +527,7 @@ def leaf_table(f: RankFacts, causes: list, top: int = TOP_LEAVES) -> dict:
              "entry_label": leaf_display(lf.entry) if lf.entry else "", "per_step_us": lf.ns / n / 1e3,
              "share": lf.ns / total, "loss": lf.loss, "claimed_by": claimed_by(f, lf, causes)} for lf in lvs[:top]]
     rest = sum(lf.ns for lf in lvs[top:])
-    return {"per_step_us": path.total_ns / n / 1e3, "leaves": rows,
+    return {"per_step_us": path.total_ns / n / 1e3, "leaves": rows, "gpu": bool(f.has_gpu),
             "other_per_step_us": rest / n / 1e3, "other_leaves": max(len(lvs) - top, 0),
             "loss_share": sum(lf.ns for lf in lvs if lf.loss) / total}
 

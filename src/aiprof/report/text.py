@@ -208,8 +208,9 @@ def _critical_path_table(report: dict) -> Table | None:
     cp = (b or {}).get("critical_path")
     if not cp or not cp.get("leaves"):
         return None
-    t = Table(title=f"Where rank {b['rank']}'s replayed {_ms(cp['per_step_us'])} ms step goes (critical path, by leaf; "
-                    f"the GPU waits for the host in {100 * cp['loss_share']:.0f}% of it)",
+    waits = f"; the GPU waits for the host in {100 * cp['loss_share']:.0f}% of it" if cp.get("gpu") else ""
+    t = Table(title=f"Where rank {b['rank']}'s replayed {_ms(cp['per_step_us'])} ms step goes (critical path, by leaf"
+                    f"{waits})",
               title_justify="left", show_edge=False)
     for col, j in (("ms/step", "right"), ("share", "right"), ("kind", "left"), ("leaf", "left"),
                    ("called from", "left"), ("claimed by", "left")):
@@ -217,7 +218,7 @@ def _critical_path_table(report: dict) -> Table | None:
     for lf in cp["leaves"][:_PATH_ROWS]:
         where = " in ".join(x for x in (lf.get("entry_label", ""), lf.get("site", "")) if x)
         t.add_row(_ms(lf["per_step_us"]), f"{100 * lf['share']:.1f}%", lf["kind"] + (" (GPU idle)" if lf["loss"] else ""),
-                  lf.get("label") or lf["name"], where, ", ".join(lf["claimed_by"]) or ("—" if not lf["loss"] else "no cause"))
+                  lf.get("label") or lf["name"], where, ", ".join(lf["claimed_by"]) or ("no cause" if lf["loss"] else "—"))
     rest = cp.get("other_per_step_us", 0.0) + sum(lf["per_step_us"] for lf in cp["leaves"][_PATH_ROWS:])
     if rest > 0:
         t.add_row(_ms(rest), f"{100 * rest / max(cp['per_step_us'], 1e-9):.1f}%", "",

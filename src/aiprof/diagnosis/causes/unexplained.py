@@ -78,13 +78,10 @@ def detect(f: RankFacts) -> list[Cause]:
         if not lf.loss or claimed_by(f, lf, found):
             continue
         e = f.edit(CODE)
-        for a, _, ns in lf.pieces:
-            e.gap_remove[a] += ns
-        for a, ns in lf.cost_ns.items():
-            e.cost_remove[a] += ns
-        if lf.ops:
-            e.packed[np.array(lf.ops, np.int64)] = True
-        if not (lf.pieces or lf.cost_ns or lf.ops):
+        np.add.at(e.gap_remove, lf.piece_action, lf.piece_ns)
+        np.add.at(e.cost_remove, lf.cost_action, lf.cost_ns)
+        e.packed[lf.ops] = True
+        if not (len(lf.piece_ns) or len(lf.cost_ns) or len(lf.ops)):
             continue  # a GPU delay the trace does not explain: nothing a change could remove
         inside = f" inside `{leaf_display(lf.entry)}`" if lf.entry else ""
         where = inside + (f" called from {lf.site}" if lf.site else "")
