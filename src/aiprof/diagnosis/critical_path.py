@@ -447,7 +447,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
         lf.ns = float(totals[u])
         lf.loss = f.has_gpu and kind in LOSS_KINDS
         lf.by_step_ns = {int(numbers[s_]): float(v) for s_, v in enumerate(by_step[u]) if v and len(numbers)}
-        if lf.loss:
+        if kind in (HOST, CALL, LATENCY):  # what a cause may claim (CPU-only ranks too)
             mine = order[bounds[u]:bounds[u + 1]]
             if kind == HOST:
                 lf.piece_action, lf.piece_node, lf.piece_ns = item_action_a[mine], item_ref_a[mine], item_ns_a[mine]
