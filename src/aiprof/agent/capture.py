@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable
 
 from aiprof.agent import cupti_teardown, log, offstop, profguard
+from aiprof.agent.commsettings import comm_settings
 from aiprof.protocol import CaptureRequest
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
@@ -790,6 +791,8 @@ class CaptureDriver:
             },
             "clock": self.clock,
             "versions": self._versions(),
+            # NCCL/torch distributed settings the job ran with (agent/commsettings.py)
+            "communication": comm_settings(),
             "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None,
                       "pm": (getattr(self, "pm_meta", None) or {}).get("file")},
             "trace_json_bytes": trace_bytes,

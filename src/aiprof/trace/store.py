@@ -40,9 +40,10 @@ from aiprof.trace.nativecsv import native_paths_for, read_native
 from aiprof.trace.kineto import TABLES, read_header, read_trace
 from aiprof.trace.table import Table
 
-STORE_VERSION = 6  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
+STORE_VERSION = 7  # bump when ingest output changes: old stores are re-ingested (3: validated times, clamped
 # durations; 4: the agent's meta.json beside the trace, for the unprofiled step time; 5: pm, calls, syscalls;
-# 6: a training thread whose frames lost their parent ids after the stop is no agent thread)
+# 6: a training thread whose frames lost their parent ids after the stop is no agent thread; 7: the
+# job's communication settings from meta.json)
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _NOT_TRACES = {"meta.json", "report.json"}
 PROGRESS_MIN_BYTES = 32 << 20  # less JSON than this ingests in about a second: no bar
@@ -249,7 +250,7 @@ CAPTURE_META = "meta.json"
 CAPTURE_SCHEMA = "aiprof.capture/1"
 # What the analysis keeps of the agent's meta.json (the rest is for the service and the user).
 _CAPTURE_KEYS = ("capture_id", "origin", "trigger", "mode", "options", "steps", "device", "activities", "native",
-                 "stop", "clock")
+                 "stop", "clock", "communication")
 
 
 def _capture_meta_path(trace_path: str) -> str | None:

@@ -126,6 +126,41 @@ REMEDY = ("Let NCCL use NVLink peer-to-peer: run once with NCCL_DEBUG=INFO and l
           "should show NV# between them.")
 
 
+# Settings that keep NCCL off NVLink peer-to-peer within a host, and what each does. A capture
+# whose meta.json records one of them (agent/commsettings.py) names it instead of the list.
+_OFF_NVLINK = (
+    ("NCCL_P2P_DISABLE", lambda v: v.strip() not in ("", "0"), "turns NVLink/PCIe peer-to-peer off"),
+    ("NCCL_P2P_LEVEL", lambda v: v.strip().upper() in ("LOC", "0"), "allows peer-to-peer only within one GPU"),
+    ("NCCL_SHM_DISABLE", lambda v: v.strip() not in ("", "0"), "turns shared-memory transport off"),
+    ("NCCL_NET", lambda v: bool(v.strip()), "forces a network transport"),
+    ("NCCL_PROTO", lambda v: bool(v.strip()), "pins the protocol"),
+    ("NCCL_ALGO", lambda v: bool(v.strip()), "pins the algorithm"),
+    ("NCCL_MAX_NCHANNELS", lambda v: v.strip().isdigit() and int(v) < 4, "limits NCCL to few channels"),
+)
+
+
+def off_nvlink_settings(facts: list[RankFacts]) -> list[dict]:
+    """The settings of _OFF_NVLINK that the ranks' captures recorded (name, value, what it does)."""
+    out: dict[str, dict] = {}
+    for f in facts:
+        env = (((f.rt.meta.get("capture") or {}).get("communication") or {}).get("env") or {})
+        for name, bad, what in _OFF_NVLINK:
+            v = env.get(name)
+            if isinstance(v, str) and bad(v) and name not in out:
+                out[name] = {"name": name, "value": v, "effect": what}
+    return list(out.values())
+
+
+def remedy_for(facts: list[RankFacts]) -> str:
+    """REMEDY, led by the setting the job ran with when its capture recorded one."""
+    found = off_nvlink_settings(facts)
+    if not found:
+        return REMEDY
+    named = ", ".join(f"{s['name']}={s['value']} ({s['effect']})" for s in found)
+    return (f"This job ran with {named}: unset {'it' if len(found) == 1 else 'them'} so that NCCL uses NVLink "
+            "peer-to-peer, and check with NCCL_DEBUG=INFO that the log shows 'via P2P/IPC'.")
+
+
 def _nvlink_host(f: RankFacts, n_ranks: int):
     """The rank's device when NVLink connects it to the job's other ranks (all on its host), else None."""
     dev = device(f.rt.device_name)
@@ -180,9 +215,9 @@ def detect_rank(f: RankFacts) -> list[Cause]:
                    f"memory (SHM) or sockets, not GPU-to-GPU. At NVLink speed a {nbytes[top] / 1e6:.0f} MB {kind} takes "
                    f"~{ms(float(fixed[top]))}. Priced on this rank alone: waits for other ranks inside its kernels "
                    f"count as saved, so this is an upper bound unless every rank was slowed alike."),
-        remedy=REMEDY,
+        remedy=remedy_for([f]),
         place=Place("collective", f"{kind} of {nbytes[top] / 1e6:.0f} MB", "", [], []),
-        evidence={"nvlink_gbps_needed_at_least": needed_gbps, "nvlink_busbw_gbps": peak, "ranks": n_ranks,
+        evidence={"settings": off_nvlink_settings([f]), "nvlink_gbps_needed_at_least": needed_gbps, "nvlink_busbw_gbps": peak, "ranks": n_ranks,
                   "device": dev.name, "communication_us_per_step": comm_ns / per / 1e3,
                   "fixed_communication_us_per_step": float(new_dur.sum()) / per / 1e3,
                   "large_collectives": int((nbytes >= BANDWIDTH_REGIME_BYTES).sum()), "counters": link,
@@ -243,9 +278,9 @@ def detect_job(facts: list[RankFacts], pricer, columns: dict, n_ranks: int | Non
                    f"GPU-to-GPU." + (f" The GPU's own counters agree: during them NVLink carried "
                                      f"{link['nvlink_gbps']:.2f} GB/s ({link['nvlink_pct_of_peak']:.2g} % of its peak) "
                                      f"and PCIe {link['pcie_gbps']:.1f} GB/s." if link else "")),
-        remedy=REMEDY,
+        remedy=remedy_for(facts),
         place=Place("collective", f"{kind} of {nbytes[top] / 1e6:.0f} MB", "", [], []),
-        evidence={"busbw_gbps_median": typical, "busbw_gbps_best": best, "nvlink_busbw_gbps": peak,
+        evidence={"settings": off_nvlink_settings(facts), "busbw_gbps_median": typical, "busbw_gbps_best": best, "nvlink_busbw_gbps": peak,
                   "large_collectives": int(large.sum()), "ranks": n_ranks, "device": dev.name,
                   "transfer_us_per_step": float(t_ns.sum()) / per / 1e3,
                   "fixed_transfer_us_per_step": float(np.minimum(t_ns, np.where(known, fixed, t_ns)).sum()) / per / 1e3,
