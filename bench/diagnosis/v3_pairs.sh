@@ -7,8 +7,18 @@
 #   3. the 4-rank jobs (DDP with one rank's sequences twice as long, healthy DDP = its fix, healthy
 #      FSDP2) timed and captured the same way under torchrun.
 # On fewer GPUs: CASES="gc ckpt" picks single-GPU pairs, NPROC=2 runs the distributed jobs on 2.
-# Results: $OUT/times.jsonl (one line per timed run) and $OUT/caps-*.tar (the capture folders,
-# split under 15 MB), analysed here by bench/diagnosis/validate_v3.py.
+# A case written CASE:VARIANT (e.g. ckpt:fix) is only captured, in that variant, not timed
+# (stall:nostack: only the capture without Python stacks);
+# TIME_SINGLE=0 captures the single-GPU cases without timing them again.
+# Results: $OUT/caps-<case>.tar (that case's capture folders, logs and timing runs; split into
+# caps-<case>.tar.aa, .ab, ... over 15 MB: `cat caps-X.tar.* | tar xf -`), each written
+# as soon as its case is done, so that a call cut off at its limit still brings back the cases it
+# finished; the timings, one JSON line per run, are printed at the end (and in the tars).
+# A capture whose job has written its trace (meta.json on every rank) but has not exited GRACE s
+# later is stopped: SIGABRT first (PYTHONFAULTHANDLER=1: every thread's Python stack into its
+# log), then SIGKILL. Seen on 4 H100s (2026-11-26): the captures ckpt_fix, launch_fault and
+# fileread_fix wrote a complete capture (meta.json) and then never exited, `aiprof run` waiting in
+# Popen.wait on the job; fileread_fault, launch_fix, stall_fault_nostack and the 4-rank ones exited.
 #   run: bash bench/diagnosis/v3_pairs.sh        (carry .whl; WHL=.whl/v3 holds msgspec)
 set -u
 T0=$(date +%s)
@@ -26,26 +36,62 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 steps_of() { case $1 in stall) echo 3;; ckpt) echo 8;; *) echo 20;; esac; }
 
-# one single-GPU case, on GPU $2: timing rounds, then the captures
+ms_of() { python3 -c "import json,sys; print('%.1f' % json.load(open(sys.argv[1]))['ms_per_step'])" "$1" 2>/dev/null || echo '?'; }
+# pack NAME FILES...: $OUT/NAME.tar, or NAME.tar.aa, .ab, ... where it is over 15 MB (a lent call
+# brings back at most 8 files of 16 MiB each: the 4-rank FSDP capture with stacks was 18 MB)
+pack() {
+  local n=$1; shift
+  tar cf $OUT/$n.tar "$@"
+  if [ "$(stat -c %s $OUT/$n.tar)" -gt $((15 << 20)) ]; then split -b 15m $OUT/$n.tar $OUT/$n.tar. && rm $OUT/$n.tar; fi
+}
+# cap ID NRANKS LOG CMD...: run an `aiprof run` command in its own process group (see above)
+cap() {
+  local id=$1 nr=$2 log=$3 pid wd; shift 3
+  PYTHONFAULTHANDLER=1 setsid "$@" > "$log" 2>&1 &
+  pid=$!
+  ( t=0 d=0; while sleep 2; do t=$((t + 2))
+      [ "$(ls $K/caps/$id/rank*/meta.json 2>/dev/null | wc -l)" -ge "$nr" ] && d=$((d + 2))
+      if [ $d -ge "${GRACE:-20}" ] || [ $t -ge "${CAP_MAX:-300}" ]; then
+        echo "HUNG $id: after ${t} s, capture written ${d} s ago and not exited: SIGABRT, SIGKILL" | tee -a "$log"
+        # the job(s) first, while `aiprof run` (the group's leader) still copies their stderr to the log
+        for p in $(pgrep -g $pid); do [ "$p" != $pid ] && kill -ABRT $p 2>/dev/null; done
+        sleep 3; kill -ABRT $pid 2>/dev/null; sleep 2; kill -KILL -- -$pid 2>/dev/null; exit
+      fi
+    done ) &
+  wd=$!
+  wait $pid || echo "FAILED capture $id (rc $?)"
+  kill $wd 2>/dev/null
+}
+# the launch case compiles: log recompiles and any 'skipping cudagraphs' (TORCH_LOGS)
+tlogs() { [ "$1" = launch ] && echo TORCH_LOGS=recompiles,perf_hints || echo AIPROF_V3=1; }
+
+# one single-GPU case, on GPU $2: timing rounds, then the captures; c:v = capture variant v only
 pair() {
-  local c=$1 g=$2 n; n=$(steps_of "$c")
+  local c=${1%%:*} g=$2 n vs="fault fix" tag=${1/:/_}; n=$(steps_of "$c")
+  if [ "$1" != "$c" ]; then vs=${1##*:}; [ "$vs" = nostack ] && vs=""; elif [ "${TIME_SINGLE:-1}" = 1 ]; then
   for r in $(seq 1 "$ROUNDS"); do
     for v in fault fix; do
-      CUDA_VISIBLE_DEVICES=$g python3 $JOB --case "$c" --variant $v --steps "$n" --times $K/times/$c-$v-$r.json \
+      env "$(tlogs "$c")" CUDA_VISIBLE_DEVICES=$g python3 $JOB --case "$c" --variant $v --steps "$n" --times $K/times/$c-$v-$r.json \
         > $K/times/$c-$v-$r.log 2>&1 || echo "FAILED timing $c $v $r"
+      say "$c $v round $r: $(ms_of $K/times/$c-$v-$r.json) ms/step"
     done
   done
-  for v in fault fix; do
-    CUDA_VISIBLE_DEVICES=$g python3 -m aiprof run --skip 10 --iterations 3 --what kernels,python,shapes \
-      --out $K/caps --capture-id "${c}_$v" -- python3 $JOB --case "$c" --variant $v --steps 6 \
-      > $K/caps/${c}_$v.log 2>&1 || echo "FAILED capture $c $v"
+  fi
+  for v in $vs; do
+    cap "${c}_$v" 1 $K/caps/${c}_$v.log env "$(tlogs "$c")" CUDA_VISIBLE_DEVICES=$g python3 -m aiprof run --skip 10 \
+      --iterations 3 --what kernels,python,shapes --out $K/caps --capture-id "${c}_$v" \
+      -- python3 $JOB --case "$c" --variant $v --steps 6
+    say "captured ${c}_$v: $(tail -n 1 $K/caps/${c}_$v.log)"
   done
   if [ "$c" = stall ]; then
-    CUDA_VISIBLE_DEVICES=$g python3 -m aiprof run --skip 10 --iterations 3 --what kernels \
-      --out $K/caps --capture-id stall_fault_nostack -- python3 $JOB --case stall --variant fault --steps 6 \
-      > $K/caps/stall_fault_nostack.log 2>&1 || echo "FAILED capture stall nostack"
+    cap stall_fault_nostack 1 $K/caps/stall_fault_nostack.log env CUDA_VISIBLE_DEVICES=$g python3 -m aiprof run \
+      --skip 10 --iterations 3 --what kernels --out $K/caps --capture-id stall_fault_nostack \
+      -- python3 $JOB --case stall --variant fault --steps 6
+    say "captured stall_fault_nostack: $(tail -n 1 $K/caps/stall_fault_nostack.log)"
   fi
-  say "pair $c done on GPU $g"
+  [ "$c" = launch ] && grep -hE "launch fix|skipping cudagraphs|ecompil" $K/times/launch-fix-*.log $K/caps/launch_fix.log 2>/dev/null | head -20
+  (cd $K && pack caps-$tag caps/${c}_* $(ls times/$c-* 2>/dev/null))
+  say "pair $1 done on GPU $g"
 }
 
 if [ "$PHASE" != multi ]; then
@@ -62,27 +108,29 @@ fi
 if [ "$PHASE" != single ]; then
 say "4-rank jobs"
 TR="torchrun --standalone --nproc-per-node ${NPROC:-4}"
+# MULTI: the jobs timed (alternating, ROUNDS rounds) and captured, CASE:VARIANT each
+read -r -a MS <<< "${MULTI:-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
 for r in $(seq 1 "$ROUNDS"); do
-  for v in fault fix; do
-    $TR $JOB --case ddp_uneven --variant $v --steps 20 --times $K/times/ddp_uneven-$v-$r.json \
-      > $K/times/ddp_uneven-$v-$r.log 2>&1 || echo "FAILED timing ddp_uneven $v $r"
+  for spec in "${MS[@]}"; do
+    c=${spec%%:*} v=${spec##*:}
+    timeout 150 $TR $JOB --case "$c" --variant "$v" --steps 20 --times $K/times/$c-$v-$r.json \
+      > $K/times/$c-$v-$r.log 2>&1 || { echo "FAILED timing $c $v $r"; tail -n 5 $K/times/$c-$v-$r.log; }
+    say "$c $v round $r: $(ms_of $K/times/$c-$v-$r.json) ms/step"
   done
 done
-$TR $JOB --case fsdp_healthy --variant fix --steps 20 --times $K/times/fsdp_healthy-fix-1.json \
-  > $K/times/fsdp_healthy-fix-1.log 2>&1 || echo "FAILED timing fsdp"
-for spec in ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix; do
+for spec in "${MS[@]}"; do
   c=${spec%%:*} v=${spec##*:}
-  python3 -m aiprof run --skip 10 --iterations 3 --what kernels,python,shapes --out $K/caps --capture-id "${c}_$v" \
-    -- $TR $JOB --case "$c" --variant "$v" --steps 6 > $K/caps/${c}_$v.log 2>&1 || echo "FAILED capture $c $v"
+  cap "${c}_$v" "${NPROC:-4}" $K/caps/${c}_$v.log python3 -m aiprof run --skip 10 --iterations 3 \
+    --what kernels,python,shapes --out $K/caps --capture-id "${c}_$v" -- $TR $JOB --case "$c" --variant "$v" --steps 6
+  (cd $K && pack caps-${c}_$v caps/${c}_$v caps/${c}_$v.log $(ls times/$c-$v-* 2>/dev/null))
+  say "captured ${c}_$v: $(tail -n 1 $K/caps/${c}_$v.log)"
 done
-say "captured"
 fi
 
-cat $K/times/*.json | python3 -c "import sys,json; [print(json.dumps(json.loads(l))) for l in sys.stdin.read().replace('}{','}\n{').splitlines()]" > $OUT/times.jsonl
-wc -l $OUT/times.jsonl
+echo "== times (one JSON line per timed run)"
+cat $K/times/*.json 2>/dev/null | python3 -c "import sys,json; [print(json.dumps(json.loads(l))) for l in sys.stdin.read().replace('}{','}\n{').splitlines()]"
 tail -n 3 $K/times/*fault-1.log | head -60
 for f in $K/caps/*.log; do echo "--- $f"; tail -n 4 "$f"; done
 du -sh $K/caps/*/ 2>/dev/null
-(cd $K && tar cf - caps | split -b 15m - $OUT/caps-)
 ls -la $OUT
 say "done"
