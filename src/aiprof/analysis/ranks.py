@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from aiprof import npx
+from aiprof.analysis import rankdiff
 from aiprof.analysis.diff import diff_captures
 from aiprof.analysis.intervals import union
 from aiprof.analysis.steps import find_steps
@@ -540,7 +541,9 @@ def step_matrix(reports: list) -> dict:
 
 
 def diff_evidence(base: RankTrace, slow: RankTrace) -> dict:
-    """What the slow rank's median step does more than the base rank's median step."""
+    """What the slow rank's median step does more than the base rank's median step (kernels,
+    host gaps, host functions), and how its inputs, collectives, speed on the same work and GPU
+    clocks compare (analysis/rankdiff.py). A plain JSON-able dict: workers compute it too."""
     d = diff_captures(base, slow, top=10_000)
     kern = [i for i in d.items if i.kind in ("kernel", "memop") and i.delta_us > 0]
     kern.sort(key=lambda i: -i.delta_us)
@@ -551,8 +554,9 @@ def diff_evidence(base: RankTrace, slow: RankTrace) -> dict:
         "kernels": [{"name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls,
                      "cls": classify.kernel_class(i.name) if i.kind == "kernel" else "memop"} for i in kern[:5]],
         "host_gaps": [{"name": i.name, "delta_us": i.delta_us, "site": i.site} for i in gaps[:3]],
-        "functions": [{"kind": i.kind, "name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls}
-                      for i in host[:5]],
+        "functions": [{"kind": i.kind, "name": i.name, "delta_us": i.delta_us, "delta_calls": i.delta_calls,
+                       "base_calls": i.base_calls} for i in host[:5]],
+        **rankdiff.compare(base, slow),
     }
 
 

@@ -8,8 +8,12 @@ waited) and what the straggler's median step does more than the median rank's.
 
 The straggler's own cause, when a detector found one on that rank (its data loading, say),
 becomes the job's cause: priced by the joint replay, it claims the others' waits. Otherwise a
-STRAGGLER cause is built from the difference: the straggler's extra kernels and host time
-brought down to the median rank's, priced the same way.
+STRAGGLER cause is built from the difference, named by what explains most of the wait
+(:func:`explain`): larger inputs (the same ops on larger input shapes), a slower device (the same
+work on the same inputs taking longer), extra kernels or an extra host function; or, when none
+does, what differs, said plainly. Priced by the joint replay of the straggler's extra brought
+down to the median rank's: the ops on larger inputs at the median rank's time, or its extra
+kernels and host time.
 """
 from __future__ import annotations
 
@@ -35,6 +39,15 @@ CODE = "STRAGGLER"
 # the straggler differs most from the median rank, and its fix saves at least this share of what
 # removing the whole difference saves.
 PROMOTE_SHARE = 0.5
+# A difference is named as the reason for the wait when it accounts for at least this share of
+# the wait the straggler caused per step, and more than any other difference: below it the
+# difference is real but most of the wait comes from elsewhere, and the cause says what differs
+# without naming a reason.
+MIN_EXPLAINED_SHARE = 0.25
+# The same work on the same inputs is "slower" on the straggler from this ratio of its time to
+# the same calls at the median rank's time per call: the same kernels or ops on one device
+# spread by a few percent from run to run; a tenth is beyond that.
+SLOWER_MIN_RATIO = 1.10
 
 
 def _acts_on(code: str) -> tuple[str, ...]:
@@ -62,8 +75,29 @@ def _waiting_symptoms(ev: dict, by_rank: dict[int, RankFacts]) -> list[Symptom]:
     return out
 
 
-def _diff_edit(f: RankFacts, ev: dict):
-    """The straggler's extra kernels and extra host time (vs the median rank) removed."""
+def _shape_nodes(f: RankFacts, edit: list) -> np.ndarray:
+    """The straggler's op nodes whose name and input dims are among ``edit``'s (op, dims) pairs."""
+    o = f.rt.ops
+    tree = f.tree
+    if not len(tree) or not len(o) or "input_dims" not in o or not edit:
+        return np.zeros(len(tree), dtype=bool)
+    dims = o.strings("input_dims")
+    want_dims = {d: i for i, d in enumerate(dims.labels)}
+    code_of = {}
+    for c in np.unique(tree.code[tree.kind == OP]).tolist():
+        code_of.setdefault(tree.labels[c], []).append(c)
+    nd = len(dims.labels) + 1
+    keys = [c * nd + want_dims[d] for name, d, *_ in edit if d in want_dims for c in code_of.get(name, [])]
+    ops = tree.kind == OP
+    key = np.full(len(tree), -1, np.int64)
+    key[ops] = tree.code[ops] * nd + dims.codes[tree.row[ops]]
+    return ops & np.isin(key, np.asarray(keys, dtype=np.int64))
+
+
+def _diff_edit(f: RankFacts, ev: dict, kind: str = ""):
+    """The straggler's extra brought down to the median rank's: its extra kernels, and its ops
+    on larger inputs at the median rank's time (``kind`` "inputs") or else the extra host time of
+    its most different function."""
     g = f.graph
     e = f.edit(CODE)
     d = ev.get("differs") or {}
@@ -89,6 +123,17 @@ def _diff_edit(f: RankFacts, ev: dict):
             keep = max(0.0, (per_step - item["delta_us"]) / per_step)
             e.op_dur[m] = g.o_dur[m] * keep
             what.append(f"{item['name'][:60]} (+{item['delta_calls']} calls, +{ms(item['delta_us'] * 1e3)})")
+    if kind == "inputs":
+        # the ops on larger inputs take the median rank's time: their host time's excess leaves
+        # the lane (the GPU part is the kernels' above)
+        edit = [x for x in (d.get("shapes") or {}).get("edit", []) if x[2] > 0]
+        mask = _shape_nodes(f, edit)
+        if mask.any():
+            u = f.union_of_nodes(mask)
+            inside = float(u.total) / per / 1e3
+            if inside > 0:
+                e.gap_remove += f.gap_time_in(u) * min(1.0, sum(x[2] for x in edit) / inside)
+        return e, what
     for item in d.get("functions", []):
         if item.get("delta_us", 0) <= 0 or item.get("kind") not in ("python", "op"):
             continue
@@ -103,6 +148,93 @@ def _diff_edit(f: RankFacts, ev: dict):
         what.append(f"{item['name'][:60]} (+{ms(item['delta_us'] * 1e3)})")
         break  # the outermost differing function; its children are inside it
     return e, what
+
+
+def _on(ev: dict, base: int) -> str:
+    """How the title names the ranks compared with: the base rank, the median one when more wait."""
+    return f"rank {base}" if len(ev.get("waiting_ranks", [])) <= 1 else f"rank {base} (the median rank)"
+
+
+def explain(ev: dict) -> dict:
+    """What differs on the straggler that explains the wait it caused: ``{"kind", "us" (per
+    step), "text", "remedy"}``, kind one of ``inputs`` (the same ops on larger input shapes),
+    ``slower`` (the same work on the same inputs, slower), ``extra kernels``, ``extra host
+    function`` — the largest, when it accounts for MIN_EXPLAINED_SHARE of the wait — or
+    ``unexplained``, whose text says what differs and no more."""
+    d = ev.get("differs") or {}
+    s, b = ev["straggler_rank"], ev.get("base_rank")
+    wait = float(ev.get("caused_wait_per_step_us") or 0.0)
+    on = _on(ev, b)
+    sh = d.get("shapes") or {}
+    sp = d.get("speed") or {}
+    cands = []
+    first = sh.get("first")
+    if first and (first.get("ratio") or 0.0) > 1.0 and sh.get("larger_delta_us", 0.0) > 0:
+        dim = (f" (dimension {first['dim']}: {first['rank_size']} vs {first['base_size']})"
+               if first.get("dim") is not None else "")
+        ratio = f", {first['ratio']:.1f}× the elements" if first.get("ratio") else ""
+        text = (f"rank {s}'s inputs are larger: {first['op']} gets {first['rank_shape']} on rank {s} vs "
+                f"{first['base_shape']} on {on}{ratio}; its ops on larger inputs take "
+                f"+{ms(sh['larger_delta_us'] * 1e3)} per step")
+        remedy = (f"Give every rank inputs of the same size: the same sequence lengths and batch sizes (bucket or "
+                  f"pad to a common length, or balance tokens per rank). Rank {s}'s {first['op']} gets "
+                  f"{first['rank_shape']} against {first['base_shape']}{dim}.")
+        cands.append(("inputs", float(sh["larger_delta_us"]), text, remedy))
+    if sp and sp.get("ratio", 0.0) >= SLOWER_MIN_RATIO and sp.get("extra_us", 0.0) > 0:
+        gpu = sp.get("device") == "gpu"
+        clk = ((d.get("clocks") or {}).get("sm_clock_mhz") or {})
+        clock = (f"; SM clock {clk['rank']:.0f} vs {clk['base']:.0f} MHz"
+                 if clk.get("rank") is not None and clk.get("base") is not None else "")
+        text = (f"rank {s} runs the same {'kernels' if gpu else 'ops'} on the same inputs {sp['ratio']:.2f}× slower "
+                f"than {on} (+{ms(sp['extra_us'] * 1e3)} per step){clock}")
+        remedy = (f"The work is the same on every rank; rank {s}'s GPU runs it slower: check its clocks, temperature, "
+                  f"power limit and errors (nvidia-smi -q -d CLOCK,TEMPERATURE,POWER,PERFORMANCE: the throttle "
+                  f"reasons), or move the job off that GPU." if gpu else
+                  f"The work is the same on every rank; rank {s}'s host runs it slower: check what else runs on its "
+                  f"cores (other processes, threads pinned to the same cores, CPU frequency scaling) and give each "
+                  f"rank cores of its own.")
+        cands.append(("slower", float(sp["extra_us"]), text, remedy))
+    extra = [x for x in d.get("kernels", []) if x.get("delta_calls", 0) > 0 and x.get("delta_us", 0) > 0]
+    if extra:
+        us = float(sum(x["delta_us"] for x in extra))
+        listed = ", ".join(f"{x['name'][:60]} (+{x['delta_calls']} calls, +{ms(x['delta_us'] * 1e3)})"
+                           for x in extra[:2])
+        cands.append(("extra kernels", us, f"it runs kernels the others do not: {listed}",
+                      f"Rank {s} runs work the others do not: {listed} per step. Remove it from that rank's step, or "
+                      f"spread it over every rank."))
+    fn = next((x for x in d.get("functions", []) if x.get("kind") in ("python", "op") and x.get("delta_us", 0) > 0
+               and (x.get("delta_calls", 0) > 0 or x.get("base_calls", 1) == 0)), None)
+    if fn:
+        n = fn["delta_calls"]
+        calls = f", {n} more call{'s' if n != 1 else ''}" if n > 0 else ""
+        cands.append(("extra host function", float(fn["delta_us"]),
+                      f"it spends +{ms(fn['delta_us'] * 1e3)} per step in {fn['name'][:80]}{calls}",
+                      f"Rank {s} runs {fn['name'][:80]} where the others do not, or more often: remove it from the "
+                      f"step, run it every N steps, or spread it over the ranks."))
+    order = {"inputs": 0, "slower": 1, "extra kernels": 2, "extra host function": 3}
+    best = min(cands, key=lambda c: (-c[1], order[c[0]])) if cands else None
+    if best and best[1] >= MIN_EXPLAINED_SHARE * wait:
+        return {"kind": best[0], "us": best[1], "text": best[2], "remedy": best[3]}
+    # no difference accounts for the wait: say what differs, and what would tell more
+    differs = [c[2] for c in sorted(cands, key=lambda c: -c[1])[:2]]
+    if not differs:  # the same calls, some longer: the largest such difference
+        top = max((x for x in d.get("kernels", []) + d.get("functions", []) if x.get("delta_us", 0) > 0
+                   and x.get("delta_calls", 0) == 0),
+                  key=lambda x: x["delta_us"], default=None)
+        if top:
+            differs.append(f"{top['name'][:80]} takes +{ms(top['delta_us'] * 1e3)} per step with as many calls")
+    coll = d.get("collectives") or {}
+    if coll.get("differ"):
+        t = coll["differ"][0]
+        r, bb = coll["rank"].get(t, {}), coll["base"].get(t, {})
+        differs.append(f"its {t} collectives: {r.get('calls', 0):g} calls of {r.get('size', 0):.0f} {coll['unit']} "
+                       f"per step vs {bb.get('calls', 0):g} of {bb.get('size', 0):.0f} on rank {b}")
+    hint = ("" if sh.get("recorded") else " `aiprof run --what shapes` records the ops' input shapes, which would "
+            "compare the ranks' inputs.")
+    remedy = (f"The recorded work does not show why rank {s} is late: "
+              + ("; ".join(differs) if differs else "no kernel or host function of its median step takes longer")
+              + f". Make the ranks' work the same.{hint}")
+    return {"kind": "unexplained", "us": 0.0, "text": "; ".join(differs), "remedy": remedy}
 
 
 def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> tuple[list[Cause], list[Symptom]]:
@@ -136,20 +268,23 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
                 "by_class": ev.get("by_class", [])[:3], "missing_ranks": ev.get("missing_ranks", [])}
         wr = ", ".join(str(w) for w in ev.get("waiting_ranks", [])[:6]) or "the others"
         cls = (ev.get("by_class") or [{}])[0].get("cls", "")
-        e, what = _diff_edit(f, ev)
+        why = explain(ev)
+        e, what = _diff_edit(f, ev, why["kind"])
+        head = (f"rank {s} is the straggler: last at {ev.get('last_arrivals')} of {ev.get('collectives')} collectives, "
+                f"rank(s) {wr} wait for it")
+        if why["kind"] in ("inputs", "slower", "extra host function"):
+            title = f"{head}; {why['text']}"
+        else:  # what it does more of, as measured (the extra kernels, the most different function)
+            title = (head + (f"; it does more {cls}" if cls else "") + (f": {', '.join(what[:2])}" if what else "")
+                     + (f"; {why['text']}" if why["kind"] == "unexplained" and why["text"] and not what else ""))
         c = Cause(
-            code=CODE, rank=s,
-            title=(f"rank {s} is the straggler: last at {ev.get('last_arrivals')} of {ev.get('collectives')} collectives, "
-                   f"rank(s) {wr} wait for it" + (f"; it does more {cls}" if cls else "")
-                   + (f": {', '.join(what[:2])}" if what else "")),
+            code=CODE, rank=s, title=title,
             mechanism=("A collective completes only when the last rank arrives: every other rank waits at each "
                        "collective for as long as this rank is late."),
-            remedy=("Balance the work across ranks: remove rank-specific work from the step (logging, evaluation, "
-                    "checkpointing, extra computation on one rank), give every rank the same batch shapes and sequence "
-                    "lengths; if the work is the same, check that GPU's clocks, temperature and errors (nvidia-smi) "
-                    "and the host's load."),
+            remedy=why["remedy"],
             place=Place("rank", f"rank {s}", "", [], []),
-            evidence={"straggler": info, "differs": ev.get("differs", {})}, edit=e, claims=claims)
+            evidence={"straggler": info, "differs": ev.get("differs", {}),
+                      "difference": {k: why[k] for k in ("kind", "us", "text")}}, edit=e, claims=claims)
         pricer.price(f, c)
         # no exemption from the report floor: a healthy job has a last arriver at every collective
         # (someone is always last), and a "straggler" whose fix saves nothing is noise; its waits
