@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--variant", choices=("fault", "fix"), required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--times", default="")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="sequences per rank (48 makes the step GPU-bound on an H100: the 4-rank pairs)")
     ap.add_argument("--cpu", action="store_true", help="a smoke test of the script on a machine without a GPU")
     a = ap.parse_args()
     fault = a.variant == "fault"
@@ -91,7 +93,7 @@ def main() -> None:
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     torch.manual_seed(0)
-    seq, batch = 512, 8
+    seq, batch = 512, a.batch
     model = GPT(seq=2 * seq).to(dev)
     if a.case == "ddp_uneven" or a.case == "ddp_healthy":
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -110,10 +110,13 @@ say "4-rank jobs"
 TR="torchrun --standalone --nproc-per-node ${NPROC:-4}"
 # MULTI: the jobs timed (alternating, ROUNDS rounds) and captured, CASE:VARIANT each
 read -r -a MS <<< "${MULTI:-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
+# TIMED: the ones of MULTI that are timed (default: all); BATCH: sequences per rank (48: GPU-bound)
+read -r -a TS <<< "${TIMED:-${MS[*]}}"
+B=${BATCH:+--batch $BATCH}
 for r in $(seq 1 "$ROUNDS"); do
-  for spec in "${MS[@]}"; do
+  for spec in "${TS[@]}"; do
     c=${spec%%:*} v=${spec##*:}
-    timeout 150 $TR $JOB --case "$c" --variant "$v" --steps 20 --times $K/times/$c-$v-$r.json \
+    timeout 150 $TR $JOB --case "$c" --variant "$v" --steps 20 $B --times $K/times/$c-$v-$r.json \
       > $K/times/$c-$v-$r.log 2>&1 || { echo "FAILED timing $c $v $r"; tail -n 5 $K/times/$c-$v-$r.log; }
     say "$c $v round $r: $(ms_of $K/times/$c-$v-$r.json) ms/step"
   done
@@ -121,7 +124,7 @@ done
 for spec in "${MS[@]}"; do
   c=${spec%%:*} v=${spec##*:}
   cap "${c}_$v" "${NPROC:-4}" $K/caps/${c}_$v.log python3 -m aiprof run --skip 10 --iterations 3 \
-    --what kernels,python,shapes --out $K/caps --capture-id "${c}_$v" -- $TR $JOB --case "$c" --variant "$v" --steps 6
+    --what kernels,python,shapes --out $K/caps --capture-id "${c}_$v" -- $TR $JOB --case "$c" --variant "$v" --steps 6 $B
   (cd $K && pack caps-${c}_$v caps/${c}_$v caps/${c}_$v.log $(ls times/$c-$v-* 2>/dev/null))
   say "captured ${c}_$v: $(tail -n 1 $K/caps/${c}_$v.log)"
 done
