@@ -82,3 +82,63 @@ def decide() -> dict[str, Any]:
         return {"teardown": True, "why": "no CUDA graphs seen: CUPTI detached at stop"}
     except Exception as exc:
         return {"teardown": None, "why": f"not decided: {type(exc).__name__}: {exc}"}
+
+
+# Kineto tears CUPTI down on a thread it detaches (CuptiActivityApi::teardownContext): that thread
+# subscribes to the runtime and driver API callbacks and waits until the exit callback of the
+# process's next CUDA call runs cuptiFinalize. A job that makes no CUDA call after the capture
+# stops (it ends right after it) never finalizes, and the process then hangs in exit: seen on
+# 4 H100s with the off-thread stop, 7 of 8 jobs that ended 6 steps after their capture
+# (bench/diagnosis/exit_hang.sh, 2026-11-26), none when the job went on or stopped on its own
+# thread. So the thread that finished the profiler makes those calls itself until Kineto's thread
+# is gone, for at most this long (off the training thread: the job never waits for it) ...
+FINALIZE_WAIT_S = 3.0
+# ... one cheap runtime call (cudaMemGetInfo) every this often.
+FINALIZE_POLL_S = 0.01
+_TASKS = "/proc/self/task"
+
+
+def _threads() -> int | None:
+    """This process's native threads (Kineto's teardown thread is one), None where /proc is not."""
+    try:
+        return len(os.listdir(_TASKS))
+    except OSError:
+        return None
+
+
+def threads_now() -> int | None:
+    """The thread count to compare with after the profiler is finished (see :func:`finalize`)."""
+    return _threads()
+
+
+def finalize(cuda_device: int, threads_before: int | None) -> dict[str, Any]:
+    """After the profiler was finished on this thread with ``TEARDOWN_CUPTI=1``: make CUDA calls
+    until Kineto's teardown thread has finalized CUPTI and exited (the thread count is back to
+    ``threads_before``), for at most FINALIZE_WAIT_S. Returns ``{"done", "ms", "calls"}`` for
+    meta.json. Never raises."""
+    import time
+
+    t0 = time.perf_counter()
+    calls = 0
+    done = False
+    try:
+        import torch
+
+        while True:
+            torch.cuda.mem_get_info(cuda_device)  # a runtime call: its exit callback finalizes CUPTI
+            calls += 1
+            n = _threads()
+            if n is not None and threads_before is not None and n <= threads_before:
+                done = True
+                break
+            if time.perf_counter() - t0 >= FINALIZE_WAIT_S:
+                break
+            time.sleep(FINALIZE_POLL_S)
+    except Exception:
+        pass
+    return {"done": done, "ms": round((time.perf_counter() - t0) * 1e3, 3), "calls": calls}
+
+
+def pending() -> bool:
+    """Whether the agent asked Kineto to tear CUPTI down at this stop."""
+    return bool(_state["ours"]) and os.environ.get(ENV) == "1"

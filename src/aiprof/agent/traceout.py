@@ -180,7 +180,7 @@ def finish_detached(lib: Any, handle: int, d: str, cap_bytes: int, marker: str,
     :func:`write_trace` does, ``how`` = "offthread", with ``sync_ms`` and ``finish_ms``.
     Raises ExportError; leaves no partial file.
     """
-    from aiprof.agent import offstop
+    from aiprof.agent import cupti_teardown, offstop
 
     raw, gz = os.path.join(d, "trace.json.tmp"), os.path.join(d, "trace.json.gz")
     try:
@@ -194,14 +194,18 @@ def finish_detached(lib: Any, handle: int, d: str, cap_bytes: int, marker: str,
                 pass
         t1 = time.perf_counter()
         early = cuda_device is not None and os.environ.get(CUPTI_FIRST_ENV, "1") != "0"
+        teardown = cuda_device is not None and cupti_teardown.pending()
+        before = cupti_teardown.threads_now() if teardown else None
         try:
             offstop.finish(lib, handle, raw, cupti_first=early)
         except offstop.OffstopError as exc:
             raise ExportError(f"finishing the profiler failed: {exc}") from None
+        # Kineto's CUPTI teardown waits for a CUDA call: make it here, or a job that ends now hangs
+        finalized = cupti_teardown.finalize(cuda_device, before) if teardown and cuda_device is not None else None
         t2 = time.perf_counter()
         out = _compress(raw, gz, cap_bytes, marker)
         return {**out, "how": "offthread", "why": "the training thread detached the profiler; finished here",
-                "cupti_first": early,
+                "cupti_first": early, "cupti_finalize": finalized,
                 "sync_ms": round((t1 - t0) * 1e3, 3), "finish_ms": round((t2 - t1) * 1e3, 3),
                 "write_ms": round((time.perf_counter() - t2) * 1e3, 3)}
     except BaseException:
