@@ -207,7 +207,8 @@ def compare_shapes(base: RankTrace, slow: RankTrace) -> dict:
     ``first``: the first op the program itself calls on other shapes; ``delta_us`` and
     ``larger_delta_us``: the differences summed (over all ops, over those on larger inputs);
     ``unpaired_ops``: ops called a different number of times; ``edit``: ``[op, the straggler's
-    input dims, host µs more per step, host µs per step]`` of the EDIT_MAX largest, for pricing."""
+    input dims, host µs more per step, host µs per step, the base rank's GPU time over the
+    straggler's (None without kernels)]`` of the EDIT_MAX largest, for pricing."""
     out = {"recorded": shapes_recorded(base) and shapes_recorded(slow), "steps": None, "ops": [], "first": None,
            "delta_us": 0.0, "larger_delta_us": 0.0, "groups": 0, "unpaired_ops": [], "time": "", "edit": []}
     if not out["recorded"]:
@@ -293,7 +294,9 @@ def compare_shapes(base: RankTrace, slow: RankTrace) -> dict:
     clean = [{k: v for k, v in x.items() if not k.startswith("_")} for x in items]
     out["first"] = clean[items.index(first)]
     out["ops"] = clean[:TOP]
-    out["edit"] = [[x["op"], x["rank_dims"], x["host_delta_us"], x["rank_host_us"]] for x in clean[:EDIT_MAX]]
+    # the GPU part: the base rank's kernel time over the straggler's, for the same op (None without kernels)
+    out["edit"] = [[x["op"], x["rank_dims"], x["host_delta_us"], x["rank_host_us"],
+                    (x["base_us"] / x["rank_us"]) if gpu and x["rank_us"] > 0 else None] for x in clean[:EDIT_MAX]]
     return out
 
 

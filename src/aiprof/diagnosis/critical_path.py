@@ -92,10 +92,13 @@ class CriticalPath:
 
 
 def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
-    """Replay ``f``'s graph (with ``edit``) and walk its critical path back from the window's end."""
+    """Walk the critical path of ``f``'s baseline back from the window's end (the baseline's own
+    trace: on ranks coupled by collectives, the joint replay's, with the others' replayed
+    arrivals), or of a replay with ``edit`` (the others' recorded arrivals)."""
     g = f.graph
-    tr = Trace()
-    res = replay(g, edit, trace=tr)
+    res = f.base if edit is None and f.base.trace is not None else replay(g, edit, trace=Trace())
+    tr = res.trace
+    assert tr is not None
     eff = tr.effective
     a_start, a_end = np.asarray(tr.a_start), np.asarray(tr.a_end)
     o_ready, o_end = np.asarray(tr.o_ready), np.asarray(tr.o_end)

@@ -31,7 +31,7 @@ from aiprof.diagnosis.model import (
     severity_of,
 )
 from aiprof.diagnosis.profiler_cost import DEFAULT, ProfilerCost
-from aiprof.diagnosis.replay import Edit, combine, replay
+from aiprof.diagnosis.replay import Edit, Trace, combine, replay
 from aiprof.diagnosis.symptoms import completion_us, rank_symptoms, slow_step_mask
 from aiprof.trace.store import RankTrace
 
@@ -86,7 +86,7 @@ def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree
         un *= float((steps.end - steps.start).mean()) / steps.marker_mean_ns
     outliers = slow_step_mask(completion_us(rt, steps))[sl] if len(steps) else np.zeros(0, dtype=bool)
     scale = calibrate_host(g, un * 1e6, outliers) if un and g.n_actions else (1.0, 1.0)
-    base = replay(g)
+    base = replay(g, trace=Trace())  # traced: the critical path walks back through it
     return RankFacts(rt=rt, steps=steps, breakdown=breakdown, tree=tree, gaps=gaps, graph=g, base=base, runtime=runtime,
                      kernels=kernels, comm=comm, has_gpu=has_gpu, recorded_step_ns=recorded,
                      unprofiled_step_ns=un * 1e6 if un else None, host_scale=scale,

@@ -14,7 +14,7 @@ import numpy as np
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis.facts import RankFacts, fit_deflation, typical_step_ns
 from aiprof.diagnosis.graph import STEP, RankCollectives, build_graph
-from aiprof.diagnosis.replay import Edit, ReplayResult, simulate
+from aiprof.diagnosis.replay import Edit, ReplayResult, Trace, simulate
 
 # Above this many ranks a fix is priced on its own rank with the others' arrivals as recorded
 # (the others are unchanged by it), not by the joint replay: its cost grows with ranks x causes,
@@ -119,7 +119,7 @@ def settle(coupled: list[RankFacts]) -> None:
     and set each one's baseline to the joint replay."""
     targets = [f.unprofiled_step_ns for f in coupled if f.unprofiled_step_ns]
     scale = calibrate_joint(coupled, float(np.median(targets))) if targets else (1.0, 1.0)
-    res = joint_replay(coupled)
+    res = joint_replay(coupled, traced=True)  # traced: each rank's critical path walks back through it
     for f in coupled:
         f.host_scale = scale
         f.base = res[f.rank]
@@ -164,12 +164,13 @@ def start_offsets(facts: list[RankFacts]) -> dict[int, float]:
     return out
 
 
-def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -> dict[int, ReplayResult]:
+def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None,
+                 traced: bool = False) -> dict[int, ReplayResult]:
     """Replay every rank together (see the module docstring): each rank runs until it reaches a
     collective, and a collective is released to a rank once every other rank whose window holds
     it has arrived there. Ranks waiting on each other in an order no schedule can satisfy (their
     windows cut the collectives differently) are released in arrival order with the recorded
-    arrivals of the missing ranks."""
+    arrivals of the missing ranks. ``traced``: each result keeps its replay's Trace."""
     edits = edits or {}
     off = start_offsets(facts)
     holders: dict[int, set] = {}  # collective -> the ranks whose replay reaches it
@@ -180,7 +181,7 @@ def joint_replay(facts: list[RankFacts], edits: dict[int, Edit] | None = None) -
                 for c in np.unique(ids[ids >= 0]).tolist():
                     if c in g.c_transfer:
                         holders.setdefault(c, set()).add(f.rank)
-    sims = {f.rank: simulate(f.graph, edits.get(f.rank)) for f in facts}
+    sims = {f.rank: simulate(f.graph, edits.get(f.rank), trace=Trace() if traced else None) for f in facts}
     graphs = {f.rank: f.graph for f in facts}
     res: dict[int, ReplayResult] = {}
     waiting: dict[int, tuple[int, float]] = {}  # rank -> (collective, arrival on its clock)

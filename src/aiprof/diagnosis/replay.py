@@ -98,6 +98,7 @@ class ReplayResult:
     gpu_busy_ns: float  # summed GPU op time (ops may overlap across streams)
     steps: int
     arrivals: dict = field(default_factory=dict)  # collective id -> when this rank arrived (abs ns)
+    trace: Trace | None = None  # what the replay did, when asked for (the critical path's walk)
 
     @property
     def per_step_ns(self) -> float:
@@ -234,11 +235,13 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     if op_ends is not None:
         op_ends.extend(gend)
     if trace is not None:
-        trace.o_end = gend[:j]
+        # arrays: a rank's facts keep their baseline's trace for as long as the report is built
+        trace.a_start, trace.a_end = np.asarray(trace.a_start), np.asarray(trace.a_end)
+        trace.o_ready, trace.o_end = np.asarray(trace.o_ready), np.asarray(gend[:j])
         trace.effective = {"gap": gap, "cost": cost, "dur": dur, "drop": drop, "packed": packed,
                            "no_wait": no_wait, "packed_gap_ns": pgap, "transfer": transfer}
     total = max(cursor, gpu_end) - lo
     st = np.array(step_t, dtype=np.float64)
     step_ns = np.diff(np.append(st, lo + total)) if len(st) else np.array([total])
     return ReplayResult(total_ns=total, step_ns=step_ns, host_ns=cursor - lo, gpu_busy_ns=busy,
-                        steps=max(len(st), 1), arrivals=arrivals)
+                        steps=max(len(st), 1), arrivals=arrivals, trace=trace)

@@ -94,6 +94,30 @@ def _shape_nodes(f: RankFacts, edit: list) -> np.ndarray:
     return ops & np.isin(key, np.asarray(keys, dtype=np.int64))
 
 
+def _inputs_edit(f: RankFacts, e, d: dict, per: int):
+    """The straggler's ops on larger inputs at the median rank's time: the kernels each one
+    launched scaled by the base rank's GPU time over the straggler's for that op and shape, and
+    the excess of their host time out of the lane."""
+    g = f.graph
+    edit = (d.get("shapes") or {}).get("edit", [])
+    for item in edit:
+        scale = item[4] if len(item) > 4 else None
+        if scale is None or not 0.0 <= scale < 1.0 or not g.n_ops:
+            continue
+        acts = f.actions_in(f.under(_shape_nodes(f, [item])))
+        ops = acts[g.o_action] & (g.o_table == 0)
+        if ops.any():
+            e.op_dur[ops] = np.fmin(e.op_dur[ops], g.o_dur[ops] * scale)
+    host = [x for x in edit if x[2] > 0]
+    mask = _shape_nodes(f, host)
+    if mask.any():
+        u = f.union_of_nodes(mask)
+        inside = float(u.total) / per / 1e3
+        if inside > 0:
+            e.gap_remove += f.gap_time_in(u) * min(1.0, sum(x[2] for x in host) / inside)
+    return e
+
+
 def _diff_edit(f: RankFacts, ev: dict, kind: str = ""):
     """The straggler's extra brought down to the median rank's: its extra kernels, and its ops
     on larger inputs at the median rank's time (``kind`` "inputs") or else the extra host time of
@@ -103,7 +127,9 @@ def _diff_edit(f: RankFacts, ev: dict, kind: str = ""):
     d = ev.get("differs") or {}
     per = max(len(f.steps), 1)
     k = f.rt.kernels
-    what = []
+    what: list[str] = []
+    if kind == "inputs":
+        return _inputs_edit(f, e, d, per), what
     if g.n_ops and len(k):
         names = k.strings("name")
         kern = g.o_table == 0
@@ -123,17 +149,6 @@ def _diff_edit(f: RankFacts, ev: dict, kind: str = ""):
             keep = max(0.0, (per_step - item["delta_us"]) / per_step)
             e.op_dur[m] = g.o_dur[m] * keep
             what.append(f"{item['name'][:60]} (+{item['delta_calls']} calls, +{ms(item['delta_us'] * 1e3)})")
-    if kind == "inputs":
-        # the ops on larger inputs take the median rank's time: their host time's excess leaves
-        # the lane (the GPU part is the kernels' above)
-        edit = [x for x in (d.get("shapes") or {}).get("edit", []) if x[2] > 0]
-        mask = _shape_nodes(f, edit)
-        if mask.any():
-            u = f.union_of_nodes(mask)
-            inside = float(u.total) / per / 1e3
-            if inside > 0:
-                e.gap_remove += f.gap_time_in(u) * min(1.0, sum(x[2] for x in edit) / inside)
-        return e, what
     for item in d.get("functions", []):
         if item.get("delta_us", 0) <= 0 or item.get("kind") not in ("python", "op"):
             continue
