@@ -75,7 +75,8 @@ def test_leaves_add_up_on_ranks_coupled_by_collectives(tmp_path):
     facts = [p[1] for p in pairs]
     assert attach_collectives(facts, columns)
     for f in facts:
-        f.base = f.price(None)  # the replay with the others' recorded arrivals, as walked
+        # each rank's baseline is its part of the joint replay: the walk follows it
+        assert f.base.trace is not None
         leaves = assert_adds_up(f)
         if f.rank == 0:
             # the rank that waits for the straggler: its wait is a leaf of its own, named by collective

@@ -5,8 +5,8 @@ both engines (scale.build_job_report on this process's engine and on a real loca
 The stages are the same functions everywhere (aiprof.pipeline); what may differ is how a cause
 is priced on a job of more than two ranks: in process by the joint replay of every rank, rank by
 rank by the joint replay of the rank and its partner (docs/scale.md). With one or two ranks the
-pair is the job, so the reports are the same; with more, the same ranks, comparison, symptoms,
-baseline and causes, and savings within PAIR_PRICING_REL of the joint replay's.
+pair is the job, so the reports are the same; with more, the same ranks, comparison, symptoms
+and causes, and the replayed steps and savings within PAIR_PRICING_REL of the joint replay's.
 """
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ FLOAT_REL = 1e-9
 # Measured: ddp4_hw identical; ddp4_slow2 LAUNCH_BOUND 1005.0 against 1005.8 µs per step (0.08 %),
 # STRAGGLER 0.005 % apart. A tenth of a percent would sit at the edge of what was seen.
 PAIR_PRICING_REL = 0.01
+# A known divergence, kept visible: a rank cause that every rank has (SM_ARRAY_IDLE on the healthy
+# 4-rank DDP job) is priced on one rank in the joint replay of all four (0.17 % of a step: the other
+# ranks still gate each all-reduce) but on the rank and its partner rank by rank (2.4-3.2 %: the
+# pair is all that waits). The fix would be made on every rank; neither prices that yet. Only the
+# causes of these codes may differ on these captures.
+PAIR_DIVERGES = {"v3/ddp_uneven_fix": {"SM_ARRAY_IDLE"}}
 # Not Kineto traces: raw CUPTI PM samples (tests/data/README.md)
 NOT_TRACES = ("pm",)
 _RANK_FILE = re.compile(r"^(.*)_rank\d+\.json\.gz$")
@@ -106,10 +112,24 @@ def test_every_engine_gives_the_in_process_report(name, ray_engine, tmp_path):
     if len(files) <= 2:  # the pair is the job
         _same(here, want)
         return
-    for part in ("capture", "ranks", "cross_rank", "symptoms", "baseline"):
+    for part in ("capture", "ranks", "cross_rank", "symptoms"):
         _same(here[part], want[part], part)
-    assert [_key(c) for c in here["causes"]] == [_key(c) for c in want["causes"]]
-    for g, w in zip(here["causes"], want["causes"]):
+    # the baseline is calibrated on the pair's joint replay, not every rank's (docs/scale.md): the
+    # same rows, the replayed step within PAIR_PRICING_REL (v3/ddp_uneven_fix, 4 ranks with their
+    # unprofiled steps: 27.65 against 27.90 ms, 0.9 %), the same largest leaf of the critical path
+    assert [b["rank"] for b in here["baseline"]] == [b["rank"] for b in want["baseline"]]
+    for g, w in zip(here["baseline"], want["baseline"]):
+        assert g["replayed_step_us"] == pytest.approx(w["replayed_step_us"], rel=PAIR_PRICING_REL), w["rank"]
+        gp, wp = g["critical_path"], w["critical_path"]
+        assert gp["per_step_us"] == pytest.approx(wp["per_step_us"], rel=PAIR_PRICING_REL), w["rank"]
+        assert gp["leaves"][0]["kind"] == wp["leaves"][0]["kind"], w["rank"]
+    codes = PAIR_DIVERGES.get(name, set())
+    here_c = [c for c in here["causes"] if c["code"] not in codes]
+    want_c = [c for c in want["causes"] if c["code"] not in codes]
+    if codes:  # the divergence is still there (when it is gone, this says so)
+        assert {c["code"] for c in here["causes"] + want["causes"]} - {c["code"] for c in here_c} == codes
+    assert [_key(c) for c in here_c] == [_key(c) for c in want_c]
+    for g, w in zip(here_c, want_c):
         assert g["saving"]["share"] == pytest.approx(w["saving"]["share"], rel=PAIR_PRICING_REL), _key(w)
 
 

@@ -38,8 +38,10 @@ from aiprof.trace import classify
 # segment kinds
 HOST, CALL, LATENCY, DELAY, GPU, TRANSFER, WAIT = range(7)
 KIND_NAMES = ("host", "cuda call", "launch latency", "gpu delay", "gpu", "collective", "wait for ranks")
-# Segments during which the GPU waited for the host: what a host-side fix can give back.
-LOSS_KINDS = frozenset({HOST, CALL, LATENCY, DELAY})
+# Segments during which the GPU waited for the host: what a host-side fix can give back. (A GPU
+# start delay the trace does not explain is no host's doing: a wait on another stream the graph
+# does not model, say; it stays a leaf of its own.)
+LOSS_KINDS = frozenset({HOST, CALL, LATENCY})
 # The leaf of host time during which no host event was open.
 UNTRACED = "host time with no traced event"
 # A cause claims a leaf when its fix changes at least this share of the leaf's time (most of it:
@@ -532,5 +534,8 @@ def leaf_table(f: RankFacts, causes: list, top: int = TOP_LEAVES) -> dict:
     rest = sum(lf.ns for lf in lvs[top:])
     return {"per_step_us": path.total_ns / n / 1e3, "leaves": rows, "gpu": bool(f.has_gpu),
             "other_per_step_us": rest / n / 1e3, "other_leaves": max(len(lvs) - top, 0),
-            "loss_share": sum(lf.ns for lf in lvs if lf.loss) / total}
+            "loss_share": sum(lf.ns for lf in lvs if lf.loss) / total,
+            # waiting for other ranks, and collectives' own transfer, on the replayed path
+            "wait_share": sum(lf.ns for lf in lvs if lf.kind == KIND_NAMES[WAIT]) / total,
+            "comm_share": sum(lf.ns for lf in lvs if lf.kind in (KIND_NAMES[WAIT], KIND_NAMES[TRANSFER])) / total}
 

@@ -23,9 +23,12 @@ from aiprof.diagnosis.facts import RankFacts, calibrate_host
 from aiprof.diagnosis.graph import RankCollectives, build_graph
 from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay
 from aiprof.diagnosis.model import (
+    EXPOSED_COMM,
+    GPU_IDLE,
     HEALTHY_MAX_SHARE,
     MIN_REPORTED_SHARE,
     SLOW_STEP,
+    WAITING_RANK,
     Cause,
     Symptom,
     severity_of,
@@ -275,7 +278,9 @@ def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict])
         d = cause_dict(c)
         d["symptoms"] = c.__dict__.get("_symptoms", [])
         out_causes.append(d)
-    out_symptoms = [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE}
+    replayed = {b["rank"]: b.get("critical_path") or {} for b in baseline}
+    out_symptoms = [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE
+                                 and _replay_confirms(s, replayed.get(s.rank))}
                     for s in symptoms]
     return {"causes": out_causes,
             # below the report floor: kept for whoever wants them, not listed (docs/report.md)
@@ -283,6 +288,21 @@ def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict])
             "symptoms": out_symptoms,
             "verdict": verdict(out_causes, out_symptoms),
             "baseline": baseline}
+
+
+# What each symptom is on the replayed (unprofiled) critical path: the share of it there.
+_REPLAYED_SHARE = {GPU_IDLE: "loss_share", WAITING_RANK: "wait_share", EXPOSED_COMM: "comm_share"}
+
+
+def _replay_confirms(s: Symptom, path: dict | None) -> bool:
+    """Whether the unprofiled step still shows the symptom: idle time, waits and exposed
+    communication seen only under the profiler (a rank whose host the profiler slowed makes the
+    others wait in the recording, not in the replay) are no orphans. Other symptoms, and ranks
+    without a replayed path, are taken as recorded."""
+    key = _REPLAYED_SHARE.get(s.code)
+    if key is None or not path or key not in path:
+        return True
+    return float(path[key]) >= ORPHAN_MIN_SHARE
 
 
 def _rank_key(c: Cause) -> float:

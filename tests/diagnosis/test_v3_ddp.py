@@ -1,0 +1,43 @@
+"""Issue 28's 4-rank pairs (tests/data/v3/README.txt): GPU-bound DDP on 4 H100s where rank 0's
+sequences are twice as long, and the same job with equal lengths (healthy DDP). The straggler is
+named with the input that differs and a remedy about lengths, priced within 1.5x of the measured
+saving by the joint replay; the healthy job is one line (no orphan waits that only the profiler made)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aiprof.pipeline import build_report
+from aiprof.trace.store import open_capture
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "v3"
+MEASURED = 1 - 25.0 / 47.0  # medians of 3 alternating rounds, fix over fault
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    out = {}
+    for name in ("ddp_uneven_fault", "ddp_uneven_fix"):
+        d = tmp_path_factory.mktemp(name) / name
+        shutil.copytree(DATA / name, d)
+        out[name] = build_report(open_capture(str(d)))
+    return out
+
+
+def test_the_straggler_is_named_by_its_longer_sequences(reports):
+    rep = reports["ddp_uneven_fault"]
+    c = rep["causes"][0]
+    assert c["code"] == "STRAGGLER" and c["rank"] == 0 and c["saving"]["method"] == "joint replay"
+    assert "inputs are larger" in c["title"] and "[48, 1024]" in c["title"] and "[48, 512]" in c["title"]
+    assert "same sequence lengths" in c["remedy"]
+    assert MEASURED / 1.5 <= c["saving"]["share"] <= MEASURED * 1.5
+    assert sorted(c["evidence"]["straggler"]["waiting_ranks"]) == [1, 2, 3]
+
+
+def test_healthy_ddp_says_so_in_one_line(reports):
+    rep = reports["ddp_uneven_fix"]
+    assert rep["verdict"]["healthy"] and rep["verdict"]["line"].startswith("Nothing to fix")
+    assert not [s for s in rep["symptoms"] if s["orphan"]]
+    assert not [c for c in rep["causes"] if c["code"] == "STRAGGLER"]
