@@ -122,6 +122,11 @@ def test_launch_bound_on_the_eager_job_is_what_cuda_graphs_win(reports):
     assert within(c["saving"]["share"], MEASURED["launch_fault"])
     fixed = reports("launch_fix")["causes"]
     assert fixed and fixed[0]["evidence"]["compiled"] and fixed[0]["saving"]["share"] < 0.1
+    # the compiled job already replays CUDA graphs: the remedy is about what is left outside them
+    # (the eager optimizer's foreach ops), never "use torch.compile reduce-overhead" again
+    lb = fixed[0]
+    assert lb["evidence"]["cuda_graphs"] and "already replays CUDA graphs" in lb["remedy"]
+    assert "reduce-overhead" not in lb["remedy"] and "aten::_foreach_" in lb["remedy"]
 
 
 @pytest.mark.parametrize("name, gone", [("ckpt_fix", "SYNC_CHECKPOINT"), ("fileread_fix", "HOST_PREPROCESSING")])

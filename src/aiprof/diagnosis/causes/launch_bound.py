@@ -25,6 +25,11 @@ CODE = "LAUNCH_BOUND"
 # Spacing of consecutive kernels replayed from a CUDA graph: 0.26 µs median measured on the lent
 # H100 (2,000 one-element kernels in a graph, bench/diagnosis/gpu_pairs.py calibration).
 GRAPH_KERNEL_GAP_NS = 260.0
+# A trace with these calls already replays CUDA graphs (torch.compile "reduce-overhead", or the
+# job's own torch.cuda.graphs): the remedy then names the launches left outside the graphs ...
+GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
+# ... by their ops, the largest this many.
+OUTSIDE_OPS_NAMED = 4
 # Frames that a graph capture replaces: torch's module machinery and the model's forward code.
 _GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_tensor.py", "torch/functional.py")
 
@@ -62,6 +67,26 @@ def graph_fix(f: RankFacts, code: str, claimed: np.ndarray, within: np.ndarray |
     return e, acts, region, claims
 
 
+def _base(name: str) -> str:
+    return name.split("_v", 1)[0] if name.startswith("cu") else name
+
+
+def _outside_ops(f: RankFacts, acts: np.ndarray) -> list[tuple[str, int]]:
+    """The outermost ops that make the region's launches, by launches (most first)."""
+    tree = f.tree
+    nodes = f.action_nodes()[acts]
+    counts: dict[str, int] = {}
+    for n in nodes[nodes >= 0].tolist():
+        top = -1
+        for a in tree.ancestors(int(n)):
+            if tree.kind[a] == OP:
+                top = a
+        if top >= 0:
+            name = tree.name(top)
+            counts[name] = counts.get(name, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
 def detect(f: RankFacts) -> list[Cause]:
     g = f.graph
     if not f.has_gpu or not g.n_ops:
@@ -76,11 +101,21 @@ def detect(f: RankFacts) -> list[Cause]:
     n_launch = int(acts.sum())
     kd = g.o_dur[acts[g.o_action]]
     compiled = any(s.startswith(("Torch-Compiled Region", "CompiledFunction")) for s in f.tree.labels)
-    remedy = ("Replay the step's launches from a CUDA graph: torch.compile(model, mode=\"reduce-overhead\")"
-              if compiled else
-              "Capture the forward (or the whole step) once as a CUDA graph and replay it: torch.cuda.graphs / "
-              "torch.cuda.make_graphed_callables, or torch.compile(model, mode=\"reduce-overhead\"), which also fuses "
-              "small ops") + "; static input shapes and no host syncs inside the captured region are required."
+    graphs = any(_base(n) in GRAPH_LAUNCHES for n in g.a_name)
+    outside = _outside_ops(f, acts)
+    if graphs:
+        # the job already replays CUDA graphs: what is left are the launches outside them
+        where = ", ".join(f"{op} ({n})" for op, n in outside[:OUTSIDE_OPS_NAMED]) or "other ops"
+        remedy = (f"The step already replays CUDA graphs; the launches left are outside them, from {where} "
+                  "(launches per analysed window): bring those ops into the graphed region (compile the loss "
+                  "with the model, the optimizer step with torch.compile, or capture the whole step) or use "
+                  "fused versions (an optimizer with fused=True).")
+    else:
+        remedy = ("Replay the step's launches from a CUDA graph: torch.compile(model, mode=\"reduce-overhead\")"
+                  if compiled else
+                  "Capture the forward (or the whole step) once as a CUDA graph and replay it: torch.cuda.graphs / "
+                  "torch.cuda.make_graphed_callables, or torch.compile(model, mode=\"reduce-overhead\"), which also "
+                  "fuses small ops") + "; static input shapes and no host syncs inside the captured region are required."
     return [Cause(
         code=CODE, rank=f.rank,
         title=(f"the host launches kernels slower than the GPU runs them: {n_launch / per:.0f} launches per step, "
@@ -88,9 +123,10 @@ def detect(f: RankFacts) -> list[Cause]:
                "per step between them"),
         mechanism=("Each eager op costs Python, dispatch and a launch on the host; short kernels finish before "
                    "the next launch arrives, so the GPU waits for the host."),
-        remedy=remedy, place=Place("step", "model forward/backward", "", [], []),
+        remedy=remedy, place=Place("step", "ops outside the CUDA graphs" if graphs else "model forward/backward", "", [], []),
         evidence={"launches_per_step": n_launch / per, "median_kernel_us": float(np.median(kd)) / 1e3,
-                  "graph_kernel_gap_ns": GRAPH_KERNEL_GAP_NS, "compiled": compiled},
+                  "graph_kernel_gap_ns": GRAPH_KERNEL_GAP_NS, "compiled": compiled, "cuda_graphs": graphs,
+                  "launching_ops": [{"op": op, "launches": n} for op, n in outside[:OUTSIDE_OPS_NAMED]]},
         edit=e, claims=claims, region=region)]
 
 
