@@ -248,3 +248,19 @@ def test_unedited_replay_reproduces_a_real_trace(gpt2_stall):
     assert np.allclose(r.step_ns[:-1], rec[:-1], rtol=0.02)
     # and with the profiler's cost removed it is shorter (this trace is host-heavy)
     assert replay(build_graph(rt, steps)).total_ns < r.total_ns
+
+
+def test_an_op_that_starts_as_another_streams_op_ends_waited_for_it():
+    # worked by hand (µs): op 0 on stream 7 runs [0, 100]; op 1 (stream 8, launched after it) could
+    # start at 10 but starts at 105.8, 5.8 µs after op 0 ends, as FSDP2's compute stream does after
+    # its all-gather's copy-out on an H100: a wait; op 2 (stream 8) starts 60 µs late with no other
+    # stream's op ending then: no wait; op 3 starts late as op 2 (its own stream) ends: no cross wait
+    from aiprof.diagnosis.graph import _implicit_waits
+
+    us = np.array
+    o_ts = (us([0.0, 105.8, 300.0, 400.0]) * US).astype(np.int64)
+    o_end = (us([100.0, 200.0, 350.0, 450.0]) * US).astype(np.int64)
+    stream = us([7, 8, 8, 8])
+    ready = us([0.0, 10.0, 240.0, 340.0]) * US
+    first = us([True, False, False, False])
+    assert _implicit_waits(o_ts, o_end, stream, ready, first) == {1: 0}

@@ -31,6 +31,12 @@ OTHER, LAUNCH, SYNC, STEP, END, COLL_START, COLL_END = 0, 1, 2, 3, 4, 5, 6
 # CPU and GPU timestamps come from different clocks that CUPTI aligns to within microseconds:
 # a sync is taken to have waited for an op that ended at most this long after it returned.
 SYNC_CLOCK_TOL_NS = 5_000
+# An op that starts this much later than it could have, right as an op of another stream ends,
+# waited for that op (graph._implicit_waits): far beyond launch jitter (a few µs).
+IMPLICIT_WAIT_MIN_NS = 50_000
+# A stream that waits for another's event starts a few µs after that event's op ends: 5.6-5.8 µs
+# measured on an H100 (FSDP2's compute stream after its all-gather copy-out); up to this long.
+IMPLICIT_WAIT_TOL_NS = 20_000
 # Launch latency when the trace has no op that started on an idle stream (typical of CUDA on
 # Hopper with a warm context: a few microseconds from the launch call to the kernel's start).
 DEFAULT_LAUNCH_LATENCY_NS = 5_000.0
@@ -211,6 +217,30 @@ def _host_event_starts(rt: RankTrace, lo: int, hi: int) -> tuple[np.ndarray, np.
     return ops, np.sort(py["ts"][keep & ~builtin]), np.sort(py["ts"][keep & builtin]), shapes
 
 
+def _implicit_waits(o_ts: np.ndarray, o_end: np.ndarray, o_stream: np.ndarray, ready: np.ndarray,
+                    first: np.ndarray) -> dict[int, int]:
+    """Cross-stream waits the calls do not show: an op that started IMPLICIT_WAIT_MIN_NS or more
+    after it could have (its stream free, its launch made) at the instant an op of another
+    stream, launched before it, ended (at most IMPLICIT_WAIT_TOL_NS before) waited for that op. FSDP's
+    optimizer kernels wait so for the reduce-scatter on its own stream (an event waited for long
+    before their launch, with other launches between: the next op after the wait call is not the
+    one that waits). Returns op -> the op it waited for."""
+    out: dict[int, int] = {}
+    late = np.nonzero(~first & (o_ts - ready >= IMPLICIT_WAIT_MIN_NS))[0]
+    if not len(late):
+        return out
+    by_end = np.argsort(o_end, kind="stable")
+    ends = o_end[by_end]
+    for j in late.tolist():
+        lo = np.searchsorted(ends, o_ts[j] - IMPLICIT_WAIT_TOL_NS, side="left")
+        hi = np.searchsorted(ends, o_ts[j] + SYNC_CLOCK_TOL_NS, side="right")
+        cand = by_end[lo:hi]
+        cand = cand[(cand < j) & (o_stream[cand] != o_stream[j])]
+        if len(cand):
+            out[j] = int(cand[np.argmax(o_end[cand])])
+    return out
+
+
 @dataclass
 class RankCollectives:
     """This rank's collectives matched across the job: job-wide id, recorded start/end, whether
@@ -376,6 +406,9 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
     ready = np.maximum(prev_end, launch_ts + lat)
     for j, deps in o_deps.items():
         ready[j] = max(ready[j], max(o_end[d] for d in deps))
+    for j, d in _implicit_waits(o_ts, o_end, o_stream, ready, first).items():
+        o_deps.setdefault(j, []).append(d)
+        ready[j] = max(ready[j], o_end[d])
     o_delay = np.where(first, 0, np.maximum(o_ts - ready, 0)).astype(np.float64)
 
     # host time: gaps between actions (merged lane) and each call's own cost, then deflation
