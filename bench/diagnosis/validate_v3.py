@@ -1,0 +1,85 @@
+"""Issue 28's v3 pairs (tests/data/v3, captured with `aiprof run` on H100s; the measured savings
+and how they were timed are in tests/data/v3/README.txt): per capture the first item of the
+report (cause or named leaf), its predicted saving against the measured one, and whether the
+controls stay quiet about the fault they do not have.
+
+    PYTHONPATH=src python bench/diagnosis/validate_v3.py
+
+Exits 1 when a row fails: a fault whose first item is not the expected cause or whose saving is
+off by more than 1.5x, a healthy job that is not healthy, a fix that keeps its fault's cause.
+"""
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+
+from aiprof.pipeline import build_report  # noqa: E402
+from aiprof.trace.store import open_capture  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "v3"
+FACTOR = 1.5  # the issue's target: predicted within 1.5x of measured
+# capture -> (what it is, the expected first cause, the measured saving (fault -> fix), a cause
+# that must not be listed). Measured: unprofiled medians of 3 alternating rounds (README.txt).
+PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
+    "gc_fault": ("fault", "HOST_PREPROCESSING", 1 - 14.5 / 389.4, ()),
+    "ckpt_fault": ("fault", "SYNC_CHECKPOINT", 1 - 11.3 / 478.6, ()),
+    "fileread_fault": ("fault", "HOST_PREPROCESSING", 1 - 11.0 / 157.3, ()),
+    "stall_fault": ("fault", "HOST_STALL", 1 - 16.0 / 43.7, ()),
+    "stall_fault_nostack": ("fault", "HOST_STALL", 1 - 10.8 / 37.8, ()),
+    "launch_fault": ("fault", "LAUNCH_BOUND", 1 - 4.2 / 12.2, ()),
+    "ddp_uneven_fault": ("fault", "STRAGGLER", 1 - 25.0 / 47.0, ()),
+    # print() of a GPU loss every step measured no difference (13.6 vs 14.9 ms): no sync or print cause
+    "print_fault": ("control", "", None, ("HOST_SYNC", "HOST_PREPROCESSING")),
+    # the same eager job as launch_fault: launch-bound, which CUDA graphs fix (65.6 % measured)
+    "healthy_fault": ("control", "LAUNCH_BOUND", None, ("HOST_SYNC", "HOST_PREPROCESSING")),
+    "ckpt_fix": ("fix", "", None, ("SYNC_CHECKPOINT",)),
+    "fileread_fix": ("fix", "", None, ("HOST_PREPROCESSING",)),
+    "launch_fix": ("fix", "", None, ()),
+    "ddp_uneven_fix": ("healthy", "", None, ("STRAGGLER",)),
+}
+
+
+def row(name: str, tmp: Path) -> tuple[bool, str]:
+    kind, want, measured, banned = PAIRS[name]
+    d = tmp / name
+    shutil.copytree(DATA / name, d)
+    rep = build_report(open_capture(str(d)))
+    causes = rep["causes"]
+    top = causes[0] if causes else None
+    code = f"{top['code']}" + (f" (rank {top['rank']})" if top and top["rank"] not in (None, 0) else "") if top else "—"
+    pred = top["saving"]["share"] if top else 0.0
+    ok = not any(c["code"] in banned for c in causes)
+    ratio = ""
+    if kind == "fault":
+        ok &= top is not None and top["code"] == want and measured is not None
+        ok &= measured / FACTOR <= pred <= measured * FACTOR
+        ratio = f"{pred / measured:5.2f}"
+    elif kind == "healthy":
+        ok &= bool(rep["verdict"]["healthy"])
+        code = "Nothing to fix" if rep["verdict"]["healthy"] else code
+    elif kind == "control" and want:
+        ok &= top is not None and top["code"] == want
+    m = f"{100 * measured:7.1f}%" if measured is not None else "       —"
+    p = f"{100 * pred:7.1f}%" if top and kind != "healthy" else "       —"
+    return ok, f"{name:20s} {kind:8s} {want or '—':20s} {code:22s} {p}  {m}  {ratio:5s}  {'ok' if ok else 'FAIL'}"
+
+
+def main() -> int:
+    print(f"{'capture':20s} {'kind':8s} {'expected first':20s} {'first item':22s} {'predicted':>8s}  "
+          f"{'measured':>8s}  ratio")
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in PAIRS:
+            ok, line = row(name, Path(tmp))
+            bad += not ok
+            print(line, flush=True)
+    print(f"{len(PAIRS) - bad} ok, {bad} failed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
