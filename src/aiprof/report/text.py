@@ -20,6 +20,14 @@ _PATH_ROWS = 8  # leaves of the critical-path table (the JSON keeps diagnosis.cr
 PIPED_WIDTH = 140
 DIFF_PIPED_WIDTH = 160  # the diff's table carries a host-stack column on top
 MIN_WIDTH = 40  # narrower than this, rich squeezes every cell to a letter: wrap instead
+# A cause's stand-alone saving is shown beside its marginal one when they differ by this share of
+# the step (the report's floor, 1 %: a smaller difference changes no decision).
+ALONE_SHOWN_SHARE = 0.01
+# A minor cause (it adds < 1 % once the causes above are fixed) that would save at least this
+# share of the step alone is named under the causes: an alternative remedy for the same time
+# (decode CUDA graphs where batching is not possible), worth a change by itself (MEDIUM_SHARE).
+ALTERNATIVE_MIN_SHARE = 0.03
+_MAX_ALTERNATIVES = 3
 
 
 def output_width(file: IO[str] | None = None, piped: int = PIPED_WIDTH) -> int:
@@ -166,7 +174,7 @@ def _causes(console: Console, report: dict) -> None:
         else:
             console.print(Text.assemble((f"{i}. [{c['severity']}] {c['code']}", sev), f" · {who} · saves ",
                                         (f"{_ms(sv.get('per_step_us', 0.0))} ms per step", "bold"),
-                                        f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step)"))
+                                        f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step{_marginal(sv)})"))
         console.print(f"   {c['title']}")
         place = c.get("place") or {}
         where = place.get("site") or place.get("name") or ""
@@ -180,6 +188,16 @@ def _causes(console: Console, report: dict) -> None:
     if minor:
         console.print(Text(f"({len(minor)} minor cause(s) below 1% of a step each: in the JSON report under \"minor\")",
                            style="dim"))
+        if causes:
+            # an alternative remedy for time a cause above already wins: worth knowing on its own
+            alternatives = [c for c in minor if c["saving"].get("alone_share", 0.0) >= ALTERNATIVE_MIN_SHARE
+                            and c["saving"].get("marginal_to")]
+            for c in alternatives[:_MAX_ALTERNATIVES]:
+                sv, before = c["saving"], list(dict.fromkeys(c["saving"].get("marginal_to") or []))
+                console.print(Text(f"   {c['code']} · {'job' if c.get('rank') is None else 'rank ' + str(c['rank'])} would "
+                                   f"save {_ms(sv['alone_us'])} ms per step alone ({100 * sv['alone_share']:.1f}%), "
+                                   f"{_ms(sv.get('per_step_us', 0.0))} ms once {', '.join(before)} "
+                                   f"{'is' if len(before) == 1 else 'are'} fixed: {c['title']}", style="dim"))
     orphans = [s for s in report.get("symptoms", []) if s.get("orphan")]
     if orphans:
         console.print(Text("Symptoms no cause explains", style="bold"))
@@ -224,6 +242,16 @@ def _critical_path_table(report: dict) -> Table | None:
         t.add_row(_ms(rest), f"{100 * rest / max(cp['per_step_us'], 1e-9):.1f}%", "",
                   f"{cp.get('other_leaves', 0) + max(len(cp['leaves']) - _PATH_ROWS, 0)} other leaves", "", "")
     return t
+
+
+def _marginal(sv: dict) -> str:
+    """The fixes a cause's saving is marginal to, and what it saves by itself, where the two
+    differ by at least ALONE_SHOWN_SHARE of the step (the savings shown add up; docs/findings.md)."""
+    alone, step, before = sv.get("alone_us"), sv.get("baseline_step_us") or 0.0, sv.get("marginal_to") or []
+    if alone is None or not before or step <= 0 or abs(alone - sv.get("per_step_us", 0.0)) < ALONE_SHOWN_SHARE * step:
+        return ""
+    names = list(dict.fromkeys(before))
+    return f" once {', '.join(names)} {'is' if len(names) == 1 else 'are'} fixed; {_ms(alone)} ms alone"
 
 
 def _steps_of(report: dict, item: dict) -> int:
