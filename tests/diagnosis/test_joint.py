@@ -1,8 +1,10 @@
-"""Issue 28, item 6 on real traces: the causes of a rank are priced together (each reports what
-its fix adds to the fixes ranked before it, so the savings add up to fixing them all), and no
-saving exceeds what the unprofiled step can lose."""
+"""Issue 28, items 6 and 7 on real traces: the causes of a rank are priced together (each reports
+what its fix adds to the fixes ranked before it, so the savings add up to fixing them all), no
+saving exceeds what the unprofiled step can lose, and the report says on which ranks the agent
+measured the unprofiled step."""
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -13,6 +15,7 @@ from aiprof.diagnosis.engine import Pricer, diagnose_rank
 from aiprof.diagnosis.facts import CALIBRATION_TOL
 from aiprof.diagnosis.replay import combine, gpu_floor_ns, replay
 from aiprof.pipeline import analyse_rank, build_report
+from aiprof.report.text import baseline_line, rank_list, render
 from aiprof.trace.store import open_capture
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -87,7 +90,7 @@ def test_v3_savings_add_up_and_stay_within_the_step(tmp_path, name):
     shutil.copytree(DATA / "v3" / name, tmp_path / name)
     rep = build_report(open_capture(str(tmp_path / name)))
     (b,) = rep["baseline"]
-    assert b["unprofiled_step_us"] > 0
+    assert b["priced_from"] == "unprofiled" and b["unprofiled_step_us"] > 0
     mine = [c for c in rep["causes"] + rep["minor"] if c["saving"].get("per_step_us", 0) > 0]
     total = sum(c["saving"]["per_step_us"] for c in mine)
     assert sum(c["saving"]["share"] for c in rep["causes"]) <= 1.0
@@ -113,3 +116,45 @@ def test_a_saving_is_bounded_by_what_the_unprofiled_step_can_lose(tmp_path, name
     assert top["saving"]["baseline_step_us"] == pytest.approx(rep["baseline"][0]["baseline_step_us"])
     assert meas / 1.2 <= top["saving"]["share"] <= meas * 1.2
     assert not any(c["code"] == "LAUNCH_BOUND" and c["saving"]["per_step_us"] > 0 for c in rep["causes"] + rep["minor"])
+
+
+def _strip_unprofiled(rank_dir: Path) -> None:
+    meta = json.loads((rank_dir / "meta.json").read_text())
+    meta["steps"].pop("before_median_ms")
+    meta["steps"]["before_ms"] = []
+    (rank_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def test_the_report_says_which_ranks_had_the_unprofiled_step(tmp_path):
+    """ddp4_hw (4 H200 ranks, `aiprof run` under torchrun): every rank's agent measured it; with
+    it taken off ranks 1 and 3, the job is still fitted to ranks 0 and 2's, and says so."""
+    shutil.copytree(DATA / "ddp4_hw", tmp_path / "all")
+    rep = build_report(open_capture(str(tmp_path / "all")))
+    assert all(b["unprofiled_step_us"] and b["priced_from"] == "job unprofiled" for b in rep["baseline"])
+    out = io.StringIO()
+    render(rep, out, width=400)
+    assert "unprofiled step measured by the agent on ranks 0\u20133 (502.62\u2013504.63 ms" in out.getvalue()
+
+    shutil.copytree(DATA / "ddp4_hw", tmp_path / "some")
+    for r in (1, 3):
+        _strip_unprofiled(tmp_path / "some" / f"rank{r}")
+    rep = build_report(open_capture(str(tmp_path / "some")))
+    assert [b["unprofiled_step_us"] is not None for b in rep["baseline"]] == [True, False, True, False]
+    assert all(b["priced_from"] == "job unprofiled" for b in rep["baseline"])
+    out = io.StringIO()
+    render(rep, out, width=400)
+    assert ("unprofiled step measured by the agent on ranks 0, 2 (502.62\u2013503.97 ms; recorded "
+            in out.getvalue())
+    assert "ranks 1, 3 had none: replayed with the others, fitted to theirs" in out.getvalue()
+
+
+def test_baseline_line_for_ranks_priced_from_the_recording():
+    row = {"recorded_step_us": 12_000.0, "replayed_step_us": 10_000.0, "baseline_step_us": 10_000.0}
+    rows = [row | {"rank": r, "unprofiled_step_us": 9_900.0 if r in (0, 2) else None,
+                   "priced_from": "unprofiled" if r in (0, 2) else "recording"} for r in range(4)]
+    line = baseline_line(rows)
+    assert line.startswith("unprofiled step measured by the agent on ranks 0, 2 (9.90 ms;")
+    assert "ranks 1, 3 priced from the recording" in line
+    none = baseline_line([r | {"unprofiled_step_us": None, "priced_from": "recording"} for r in rows])
+    assert none.startswith("unprofiled step recorded on no rank (ranks 0\u20133)")
+    assert rank_list([0, 1, 2, 3, 5, 7, 8, 10, 11, 12]) == "0\u20133, 5, 7, 8, 10\u201312"

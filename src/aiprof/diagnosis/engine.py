@@ -359,16 +359,23 @@ def cause_dict(c: Cause) -> dict:
 
 
 def baseline_entry(f: RankFacts, coupled: bool, pricer: Pricer | None = None) -> dict:
-    """The report's ``baseline`` row of one rank: recorded, unprofiled and replayed step, the
-    replayed step less what it exceeds the
+    """The report's ``baseline`` row of one rank: recorded, unprofiled and replayed step, what the
+    replay was fitted to (``priced_from``), the replayed step less what it exceeds the
     unprofiled one by (``baseline_step_us``, what a saving on this rank is a share of; coupled,
     the job's step is its slowest rank's) and the most a fix that leaves the rank's GPU work as
     it is can save of it (``ceiling_us``), scales."""
     pricer = pricer or Pricer([f], False)
+    # the ranks of a coupled job in hand are calibrated together (diagnosis.job.settle)
+    jointly = coupled and len(pricer.facts) > 1
+    measured = any(q.unprofiled_step_ns for q in pricer.facts) if jointly else bool(f.unprofiled_step_ns)
     # the rank's own replayed step (a coupled rank's, replayed with the others, ends with theirs)
     step = f.base.per_step_ns - pricer.excess_ns(f)
     return {"rank": f.rank, "recorded_step_us": f.recorded_step_ns / NS_PER_US,
             "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
+            # unprofiled: fitted to this rank's unprofiled step; job unprofiled: the coupled ranks
+            # fitted together to the median of those they have; recording: no unprofiled step to
+            # fit to, the profiler's cost removed by its per-event estimate
+            "priced_from": ("job unprofiled" if jointly else "unprofiled") if measured else "recording",
             "replayed_step_us": f.base.per_step_ns / NS_PER_US,
             "baseline_step_us": step / NS_PER_US,
             "ceiling_us": max(step - gpu_floor_ns(f.graph) / max(f.base.steps, 1), 0.0) / NS_PER_US,

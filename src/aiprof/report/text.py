@@ -208,12 +208,67 @@ def _causes(console: Console, report: dict) -> None:
     path = _critical_path_table(report)
     if path is not None:
         console.print(path)
-    for b in report.get("baseline", []):
-        un = b.get("unprofiled_step_us")
-        console.print(Text(f"rank {b['rank']}: recorded step {_ms(b['recorded_step_us'])} ms under the profiler; "
-                           + (f"unprofiled {_ms(un)} ms (measured by the agent before the capture)" if un else
-                              "unprofiled step not recorded (estimated by removing the profiler's cost)")
-                           + f"; savings are shares of the replayed {_ms(b['replayed_step_us'])} ms", style="dim"))
+    line = baseline_line(report.get("baseline", []))
+    if line:
+        console.print(Text(line, style="dim"))
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Ranks as the report names them: runs of three or more consecutive ranks as ranges
+    ("0–3, 6, 8, 9")."""
+    out: list[str] = []
+    rs = sorted(set(ranks))
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if j == i else f"{rs[i]}–{rs[j]}" if j > i + 1 else f"{rs[i]}, {rs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _span(values: list[float]) -> str:
+    """One value in ms, or the range of several."""
+    lo, hi = min(values), max(values)
+    return f"{_ms(lo)} ms" if _ms(lo) == _ms(hi) else f"{_ms(lo)}–{_ms(hi)} ms"
+
+
+def baseline_line(rows: list[dict]) -> str:
+    """The report's footer: the step the savings are shares of, and on which ranks the agent
+    measured the unprofiled step the replay is fitted to (the others: fitted together with
+    them when the job's ranks are coupled, else priced from the recording)."""
+    if not rows:
+        return ""
+    shares = _span([b.get("baseline_step_us", b["replayed_step_us"]) for b in rows])
+    longer = any(b.get("baseline_step_us", b["replayed_step_us"]) < b["replayed_step_us"] for b in rows)
+    tail = (f"; savings are shares of the {shares} unprofiled step (the replay of the recording, "
+            f"{_span([b['replayed_step_us'] for b in rows])}, could not be fitted down to it)" if longer else
+            f"; savings are shares of the replayed {shares} step")
+    recorded = f"recorded {_span([b['recorded_step_us'] for b in rows])} under the profiler"
+    if len(rows) == 1:
+        b, un = rows[0], rows[0].get("unprofiled_step_us")
+        return (f"rank {b['rank']}: recorded step {_ms(b['recorded_step_us'])} ms under the profiler; "
+                + (f"unprofiled {_ms(un)} ms (measured by the agent before the capture)" if un else
+                   "unprofiled step not recorded (estimated by removing the profiler's cost)") + tail)
+    have = [b for b in rows if b.get("unprofiled_step_us")]
+    if not have:
+        return (f"unprofiled step recorded on no rank (ranks {rank_list([b['rank'] for b in rows])}): priced from the "
+                f"recording, the profiler's cost removed by estimate; {recorded}" + tail)
+    head = (f"unprofiled step measured by the agent on {_ranks([b['rank'] for b in have])} "
+            f"({_span([b['unprofiled_step_us'] for b in have])}; {recorded})")
+    fitted = [b["rank"] for b in rows if not b.get("unprofiled_step_us") and b.get("priced_from") == "job unprofiled"]
+    alone = [b["rank"] for b in rows if not b.get("unprofiled_step_us") and b.get("priced_from") != "job unprofiled"]
+    if fitted:
+        head += f"; {_ranks(fitted)} had none: replayed with the others, fitted to theirs"
+    if alone:
+        head += f"; {_ranks(alone)} priced from the recording (the profiler's cost removed by estimate)"
+    return head + tail
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
 
 
 def _critical_path_table(report: dict) -> Table | None:
