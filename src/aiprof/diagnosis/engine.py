@@ -21,7 +21,7 @@ from aiprof.diagnosis.critical_path import leaf_table
 from aiprof.diagnosis.detector import JobFacts, Scope
 from aiprof.diagnosis.facts import CALIBRATION_TOL, RankFacts, calibrate_host, typical_step_ns
 from aiprof.diagnosis.graph import RankCollectives, build_graph
-from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay
+from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay, unprofiled_target_ns
 from aiprof.diagnosis.model import (
     EXPOSED_COMM,
     GPU_IDLE,
@@ -105,12 +105,15 @@ class Pricer:
     causes of one rank are priced together (:meth:`price_jointly`): each reports its marginal
     saving, so that they add up to what fixing them all saves (docs/findings.md, "Pricing")."""
 
-    def __init__(self, facts: list[RankFacts], coupled: bool) -> None:
+    def __init__(self, facts: list[RankFacts], coupled: bool, target_ns: float | None = None) -> None:
+        """``target_ns``: the job's unprofiled step its ranks were fitted to (job.settle), when
+        the ranks in hand are not all of them (default: the median of theirs)."""
         self.facts = facts
         self.coupled = coupled and len(facts) <= JOINT_MAX_RANKS
+        self.target_ns = (target_ns or unprofiled_target_ns([f.unprofiled_step_ns for f in facts])) if coupled else None
         res = joint_replay(facts) if self.coupled else {}
         self._job_base = job_step_ns(res)
-        self._job_excess = unprofiled_excess_ns(facts, res) if self.coupled else 0.0
+        self._job_excess = unprofiled_excess_ns(facts, res, self.target_ns) if self.coupled else 0.0
         # (rank, the edits' ids) -> (the edits, saving ns, saving by step): the stand-alone and
         # the joint pricing replay the same sets of fixes (the edits are kept so no id is reused)
         self._memo: dict[tuple, tuple[tuple, float, np.ndarray]] = {}
@@ -242,18 +245,18 @@ def _diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a - b if len(a) == len(b) else a
 
 
-def unprofiled_excess_ns(facts: list[RankFacts], res: dict) -> float:
+def unprofiled_excess_ns(facts: list[RankFacts], res: dict, target_ns: float | None = None) -> float:
     """How much longer the replayed typical step (``res``: the ranks' baseline replays; the
-    job's is its slowest rank's) is than the unprofiled step the agents measured (the median of
-    the ranks that have one, as the calibration fits it), when the calibration could not deflate
-    the recording that far (the GPU's recorded work alone is longer, say: ALPHA_MAX and
-    MIN_HOST_SCALE reached). No fix can win that time back: the job never spent it. 0 without a
-    measured step, and within the calibration's tolerance (there the replay is the measured step)."""
-    targets = [f.unprofiled_step_ns for f in facts if f.unprofiled_step_ns]
-    if not targets or not res:
+    job's is its slowest rank's) is than the unprofiled step the agents measured (``target_ns``,
+    default the median of the ranks that have one, as the calibration fits it), when the
+    calibration could not deflate the recording that far (the GPU's recorded work alone is
+    longer, say: ALPHA_MAX and MIN_HOST_SCALE reached). No fix can win that time back: the job
+    never spent it. 0 without a measured step, and within the calibration's tolerance (there
+    the replay is the measured step)."""
+    target = target_ns or unprofiled_target_ns([f.unprofiled_step_ns for f in facts])
+    if not target or not res:
         return 0.0
     typical = max(typical_step_ns(res[f.rank], f.extra.get("outliers")) for f in facts if f.rank in res)
-    target = float(np.median(targets))
     return typical - target if typical > target * (1 + CALIBRATION_TOL) else 0.0
 
 
@@ -367,7 +370,8 @@ def baseline_entry(f: RankFacts, coupled: bool, pricer: Pricer | None = None) ->
     pricer = pricer or Pricer([f], False)
     # the ranks of a coupled job in hand are calibrated together (diagnosis.job.settle)
     jointly = coupled and len(pricer.facts) > 1
-    measured = any(q.unprofiled_step_ns for q in pricer.facts) if jointly else bool(f.unprofiled_step_ns)
+    measured = (bool(pricer.target_ns) or any(q.unprofiled_step_ns for q in pricer.facts)) if jointly \
+        else bool(f.unprofiled_step_ns)
     # the rank's own replayed step (a coupled rank's, replayed with the others, ends with theirs)
     step = f.base.per_step_ns - pricer.excess_ns(f)
     return {"rank": f.rank, "recorded_step_us": f.recorded_step_ns / NS_PER_US,
