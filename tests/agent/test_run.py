@@ -49,6 +49,31 @@ def test_run_skip_then_iterations(rt, tmp_path):
         assert [s["step"] for s in rep["ranks"][0]["steps"]] == [3, 4]
 
 
+def test_run_torchrun_every_rank_measures_the_unprofiled_step(rt, tmp_path):
+    """A 2-rank gloo DDP job under torchrun: each rank's agent times the iterations before its
+    capture (what the diagnosis fits its replay to, issue 28 item 7), and the report says which
+    ranks had it."""
+    out = tmp_path / "caps"
+    res = aiprof(rt, "run", "--skip", "10", "--iterations", "3", "--what", "kernels,python", "--out", str(out),
+                 "--capture-id", "ddp", "--", PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(REPO / "tests" / "server" / "scripts" / "gloo_train.py"), "--seconds", "6")
+    assert res.returncode == 0, res.stderr
+    dirs = rank_dirs(out, "ddp")
+    assert [d.name for d in dirs] == ["rank0", "rank1"]
+    for r, d in enumerate(dirs):
+        meta = load_meta(d)
+        assert (meta["rank"], meta["world_size"], meta["steps"]["captured"]) == (r, 2, [10, 11, 12])
+        assert len(meta["steps"]["before_ms"]) >= 2 and meta["steps"]["before_median_ms"] > 0
+    if HAVE_ANALYZE:
+        an = aiprof(rt, "analyze", str(out / "ddp"), "--json")
+        assert an.returncode == 0, an.stderr
+        rows = json.loads(an.stdout)["baseline"]
+        assert [(b["rank"], b["priced_from"], b["unprofiled_step_us"] > 0) for b in rows] == \
+            [(0, "job unprofiled", True), (1, "job unprofiled", True)]
+        txt = aiprof(rt, "analyze", str(out / "ddp"), env=env_with(rt, COLUMNS="400"))
+        assert "unprofiled step measured by the agent on ranks 0, 1 (" in txt.stdout
+
+
 def test_run_duration_with_iterations(rt, tmp_path):
     out = tmp_path / "caps"
     res = aiprof(rt, "run", "--skip", "2", "--duration-ms", "60", "--what", "kernels", "--out", str(out),

@@ -87,7 +87,12 @@ def test_gpt2_stall_cause(gpt2_report):
     # its saving: the stall (about 80 ms over the 5 steps) at most
     assert 50_000 < top["saving"]["total_us"] < 90_000
     codes = {c["code"] for c in cs}
-    assert not codes & {"PAGEABLE_COPY", "MATMUL_OFF_TENSOR_CORES", "STRAGGLER"}
+    assert not codes & {"MATMUL_OFF_TENSOR_CORES", "STRAGGLER"}
+    # the 5 µs pageable copy saves nothing alone; once the stall and the syncs are fixed it is the
+    # step's last blocking call (priced together, docs/findings.md "Pricing")
+    for c in cs:
+        if c["code"] == "PAGEABLE_COPY":
+            assert c["saving"]["alone_share"] < 0.01 and "HOST_SYNC" in c["saving"]["marginal_to"]
     json.dumps(gpt2_report)  # JSON-ready
 
 

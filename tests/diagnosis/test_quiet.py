@@ -113,5 +113,7 @@ def test_the_scripts_own_synchronize_is_named(stall):
     assert none["evidence"]["explicit_synchronize"] and "the script's own synchronize" in none["title"]
     assert "unknown site" not in none["title"] and "--what python" in none["remedy"]
     assert "torch.cuda.synchronize()" in none["remedy"] and "non_blocking" not in none["remedy"]
-    named = next(c for c in stall["stacks"]["causes"] if c["code"] == "HOST_SYNC")
+    # with stacks the sync is named too; priced after the data loader's fix (which owns the
+    # step it stalls) it adds 0.2 %, so it may sit under minor
+    named = next(c for c in stall["stacks"]["causes"] + stall["stacks"]["minor"] if c["code"] == "HOST_SYNC")
     assert named["evidence"]["explicit_synchronize"] and "gpt_train.py(48)" in named["title"]

@@ -120,11 +120,15 @@ def test_launch_bound_on_the_eager_job_is_what_cuda_graphs_win(reports):
     assert c["code"] == "LAUNCH_BOUND" and not c["evidence"]["compiled"]
     assert 'torch.compile(model, mode="reduce-overhead")' in c["remedy"]
     assert within(c["saving"]["share"], MEASURED["launch_fault"])
-    fixed = reports("launch_fix")["causes"]
-    assert fixed and fixed[0]["evidence"]["compiled"] and fixed[0]["saving"]["share"] < 0.1
+    # graphed, the job's GPU work on its busiest stream fills the 3.3 ms unprofiled step: no
+    # host-side fix can win anything there (the ceiling, docs/findings.md "Pricing"; 6.0 % before)
+    fixed = reports("launch_fix")
+    lbs = [x for x in fixed["causes"] + fixed["minor"] if x["code"] == "LAUNCH_BOUND"]
+    assert lbs and all(x["evidence"]["compiled"] and x["saving"]["per_step_us"] == 0.0 for x in lbs)
+    assert fixed["baseline"][0]["ceiling_us"] == 0.0 and fixed["verdict"]["healthy"]
     # the compiled job already replays CUDA graphs: the remedy is about what is left outside them
     # (the eager optimizer's foreach ops), never "use torch.compile reduce-overhead" again
-    lb = fixed[0]
+    lb = lbs[0]
     assert lb["evidence"]["cuda_graphs"] and "already replays CUDA graphs" in lb["remedy"]
     assert "reduce-overhead" not in lb["remedy"] and "aten::_foreach_" in lb["remedy"]
 

@@ -19,22 +19,25 @@ def gen_report(tmp_path_factory):
     return build_report(open_capture(rt.source, show_progress=False))
 
 
-def _by_code(rep: dict) -> dict:
+def _by_code(rep: dict, minor: bool = False) -> dict:
+    """The first cause of each code (with ``minor``, those under the report floor too)."""
     out: dict = {}
-    for c in rep["causes"]:
+    for c in rep["causes"] + (rep["minor"] if minor else []):
         out.setdefault(c["code"], c)
     return out
 
 
 def test_decode_launch_bound(gen_report):
-    c = _by_code(gen_report)["DECODE_LAUNCH_BOUND"]
+    c = _by_code(gen_report, minor=True)["DECODE_LAUNCH_BOUND"]
     ev = c["evidence"]
-    assert c["severity"] == "high" and ev["decode_iterations"] == 23 and ev["gpu_busy_share"] < 0.1
+    # high alone; priced after SMALL_BATCH, which wins the same idle decode time, it adds little
+    assert c["saving"]["alone_share"] >= 0.1 and c["saving"]["marginal_to"] == ["SMALL_BATCH"]
+    assert ev["decode_iterations"] == 23 and ev["gpu_busy_share"] < 0.1
     assert ev["engine"] == "transformers generate" and "cache_implementation=\"static\"" in c["remedy"]
     assert "reduce-overhead" in c["remedy"]
     # it claims the decode iterations: the generic LAUNCH_BOUND is priced on what is left
-    lb = _by_code(gen_report).get("LAUNCH_BOUND")
-    assert lb is None or lb["saving"]["share"] < c["saving"]["share"] / 5
+    lb = _by_code(gen_report, minor=True).get("LAUNCH_BOUND")
+    assert lb is None or lb["saving"]["alone_share"] < c["saving"]["alone_share"] / 5
 
 
 def test_small_batch(gen_report):
@@ -47,7 +50,8 @@ def test_small_batch(gen_report):
 
 
 def test_host_scheduling_names_the_per_token_python(gen_report):
-    c = [x for x in gen_report["causes"] if x["code"] == "HOST_SCHEDULING"]
+    # (1.2 % alone; priced after the batching and decode fixes it adds 0.1 %: under minor)
+    c = [x for x in gen_report["causes"] + gen_report["minor"] if x["code"] == "HOST_SCHEDULING"]
     assert c, "no HOST_SCHEDULING"
     # model.device walks the parameters on every token, between the forwards
     assert any("modeling_utils.py" in x["evidence"]["function"] and x["evidence"]["calls"] >= 23 for x in c)

@@ -86,8 +86,9 @@ class Saving(Record):
     per_step_us: float
     share: float  # of baseline_step_us, 0..1
     total_us: float
-    marginal_to: list  # generic causes: the specific fixes applied first
-    baseline_step_us: float  # the replayed unprofiled step the share is of
+    marginal_to: list  # the fixes priced before it: the saving is what it adds to them
+    baseline_step_us: float  # the replayed unprofiled step the share is of (alone_us, alone_share:
+    # what it saves by itself, in ``extra``)
     fixed_step_us: float
     recorded_step_us: float
     unprofiled_step_us: Optional[float]

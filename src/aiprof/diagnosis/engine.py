@@ -19,9 +19,9 @@ from aiprof.analysis.steps import Steps
 from aiprof.diagnosis import causes as registry
 from aiprof.diagnosis.critical_path import leaf_table
 from aiprof.diagnosis.detector import JobFacts, Scope
-from aiprof.diagnosis.facts import RankFacts, calibrate_host
+from aiprof.diagnosis.facts import CALIBRATION_TOL, RankFacts, calibrate_host, typical_step_ns
 from aiprof.diagnosis.graph import RankCollectives, build_graph
-from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay
+from aiprof.diagnosis.job import JOINT_MAX_RANKS, job_step_ns, joint_replay, unprofiled_target_ns
 from aiprof.diagnosis.model import (
     EXPOSED_COMM,
     GPU_IDLE,
@@ -34,7 +34,7 @@ from aiprof.diagnosis.model import (
     severity_of,
 )
 from aiprof.diagnosis.profiler_cost import DEFAULT, ProfilerCost
-from aiprof.diagnosis.replay import Edit, Trace, combine, replay
+from aiprof.diagnosis.replay import Edit, Trace, combine, gpu_floor_ns, replay
 from aiprof.diagnosis.symptoms import completion_us, rank_symptoms, slow_step_mask
 from aiprof.trace.store import RankTrace
 
@@ -99,12 +99,25 @@ def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree
 
 class Pricer:
     """Prices a cause's fix by replay: on its rank alone, or, for a job whose ranks are coupled
-    by collectives, by the joint replay of every rank (the job's step is the slowest rank's)."""
+    by collectives, by the joint replay of every rank (the job's step is the slowest rank's).
 
-    def __init__(self, facts: list[RankFacts], coupled: bool) -> None:
+    A saving is never more than what the unprofiled step can lose (:meth:`ceiling_ns`), and the
+    causes of one rank are priced together (:meth:`price_jointly`): each reports its marginal
+    saving, so that they add up to what fixing them all saves (docs/findings.md, "Pricing")."""
+
+    def __init__(self, facts: list[RankFacts], coupled: bool, target_ns: float | None = None) -> None:
+        """``target_ns``: the job's unprofiled step its ranks were fitted to (job.settle), when
+        the ranks in hand are not all of them (default: the median of theirs)."""
         self.facts = facts
         self.coupled = coupled and len(facts) <= JOINT_MAX_RANKS
-        self._job_base = job_step_ns(joint_replay(facts)) if self.coupled else 0.0
+        self.target_ns = (target_ns or unprofiled_target_ns([f.unprofiled_step_ns for f in facts])) if coupled else None
+        res = joint_replay(facts) if self.coupled else {}
+        self._job_base = job_step_ns(res)
+        self._job_excess = unprofiled_excess_ns(facts, res, self.target_ns) if self.coupled else 0.0
+        # (rank, the edits' ids) -> (the edits, saving ns, saving by step): the stand-alone and
+        # the joint pricing replay the same sets of fixes (the edits are kept so no id is reused)
+        self._memo: dict[tuple, tuple[tuple, float, np.ndarray]] = {}
+        self._floor0: dict[int, float] = {}
 
     def _step(self, f: RankFacts, edit: Edit | None, others: dict | None = None) -> tuple[float, np.ndarray]:
         """Mean step with ``edit`` on ``f``'s rank (and ``others``' edits on theirs: a change made
@@ -119,34 +132,132 @@ class Pricer:
         r = replay(f.graph, edit)
         return max(r.per_step_ns, floor), r.step_ns
 
-    def price(self, f: RankFacts, c: Cause, given: list | None = None, others: dict | None = None) -> None:
-        """The cause's saving: replayed step without its fix minus with it. With ``given`` (other
-        causes' edits) the saving is marginal: what the fix still saves once those are fixed."""
-        if c.edit is None:
-            c.saving = {"method": "none", "per_step_us": 0.0, "share": 0.0, "total_us": 0.0}
-            return
-        ref_step = self._job_base if self.coupled else f.base.per_step_ns
-        base_step, base_steps = ref_step, f.base.step_ns
-        edit = c.edit
-        if given:
-            prior = combine(f.graph, given)
-            base_step, base_steps = self._step(f, prior)
-            edit = combine(f.graph, given + [c.edit])
+    def base_step_ns(self, f: RankFacts) -> float:
+        """The replayed step: the job's when coupled, else the rank's."""
+        return self._job_base if self.coupled else f.base.per_step_ns
+
+    def excess_ns(self, f: RankFacts) -> float:
+        """What the replayed step exceeds the unprofiled one by (:func:`unprofiled_excess_ns`):
+        time the job never spent, which no fix can win back; the job's when coupled."""
+        return self._job_excess if self.coupled else unprofiled_excess_ns([f], {f.rank: f.base})
+
+    def step_ns(self, f: RankFacts) -> float:
+        """The step savings are taken from and are shares of: the replayed one less
+        :meth:`excess_ns`."""
+        return self.base_step_ns(f) - self.excess_ns(f)
+
+    def ceiling_ns(self, f: RankFacts, edit: Edit | None, others: dict | None = None) -> float:
+        """The most a fix can save per step (docs/findings.md, "Pricing"): :meth:`step_ns` less
+        the GPU work the fix leaves on its busiest stream (:func:`gpu_floor_ns`; coupled, on the
+        rank with the most: the job's step is its slowest rank's)."""
+        ranks = self.facts if self.coupled else [f]
+        edits = dict(others or {}) | ({f.rank: edit} if edit is not None else {})
+        floor = max(self._floor_ns(q, edits.get(q.rank)) for q in ranks)
+        return max(self.step_ns(f) - floor, 0.0)
+
+    def _floor_ns(self, q: RankFacts, edit: Edit | None) -> float:
+        """Rank q's GPU floor per step with ``edit`` (unedited: computed once per rank)."""
+        if edit is not None:
+            return gpu_floor_ns(q.graph, edit) / max(q.base.steps, 1)
+        if q.rank not in self._floor0:
+            self._floor0[q.rank] = gpu_floor_ns(q.graph) / max(q.base.steps, 1)
+        return self._floor0[q.rank]
+
+    def saved_ns(self, f: RankFacts, edits: list[Edit], others: dict | None = None) -> tuple[float, np.ndarray]:
+        """What fixing ``edits`` together on f's rank (and ``others`` on theirs) saves per step,
+        bounded by :meth:`ceiling_ns`; and by step (f's steps, scaled alike when bounded)."""
+        key = (f.rank, tuple(id(e) for e in edits)) if others is None else None
+        if key is not None and key in self._memo:
+            return self._memo[key][1], self._memo[key][2]
+        if not edits and not others:
+            return 0.0, np.zeros(len(f.base.step_ns))
+        edit = edits[0] if len(edits) == 1 else combine(f.graph, edits)
         fixed, fixed_steps = self._step(f, edit, others)
-        save = max(base_step - fixed, 0.0)
-        by_step = (base_steps - fixed_steps) if len(base_steps) == len(fixed_steps) else np.zeros(0)
+        by_step = (f.base.step_ns - fixed_steps) if len(f.base.step_ns) == len(fixed_steps) else np.zeros(0)
+        save = max(self.base_step_ns(f) - fixed, 0.0)
+        cap = self.ceiling_ns(f, edit, others)
+        if save > cap:  # more than the unprofiled step has beyond the GPU's work left
+            by_step = by_step * (cap / save)
+            save = cap
+        if key is not None:
+            self._memo[key] = (tuple(edits), save, by_step)
+        return save, by_step
+
+    def price(self, f: RankFacts, c: Cause, given: list | None = None, others: dict | None = None) -> None:
+        """The cause's saving: replayed step without its fix minus with it (bounded by
+        :meth:`ceiling_ns`). With ``given`` (other causes' edits) the saving is marginal: what
+        the fix still saves once those are fixed."""
+        if c.edit is None:
+            c.saving = {"method": "none", "per_step_us": 0.0, "share": 0.0, "total_us": 0.0,
+                        "alone_us": 0.0, "alone_share": 0.0}
+            return
+        given = list(given or [])
+        before, before_steps = self.saved_ns(f, given) if given else (0.0, np.zeros(0))
+        after, after_steps = self.saved_ns(f, given + [c.edit], others)
+        self._set(f, c, after - before, after, _diff(after_steps, before_steps), [e.label for e in given])
+        c.saving["alone_us"], c.saving["alone_share"] = c.saving["per_step_us"], c.saving["share"]
+
+    def price_jointly(self, f: RankFacts, ordered: list[Cause]) -> None:
+        """Price the rank's causes together, in ``ordered``'s order: each one's saving becomes
+        its marginal saving once the fixes before it are made (``marginal_to``), so the savings
+        add up to what fixing them all saves; its stand-alone figure stays as ``alone_us``. A fix
+        that adds nothing to those before it (or saves nothing alone) is left out of the sum."""
+        prefix: list[Edit] = []
+        labels: list[str] = []
+        done, done_steps = 0.0, np.zeros(0)
+        for c in ordered:
+            if c.edit is None or c.saving.get("alone_us", 0.0) <= 0.0:
+                continue
+            alone = (c.saving["alone_us"], c.saving["alone_share"])
+            now, now_steps = self.saved_ns(f, prefix + [c.edit])
+            if now > done:
+                self._set(f, c, now - done, now, _diff(now_steps, done_steps), list(labels))
+                prefix.append(c.edit)
+                labels.append(c.edit.label)
+                done, done_steps = now, now_steps
+            else:
+                self._set(f, c, 0.0, done, np.zeros(0), list(labels))
+            c.saving["alone_us"], c.saving["alone_share"] = alone
+
+    def _set(self, f: RankFacts, c: Cause, save: float, together: float, by_step: np.ndarray,
+             marginal_to: list[str]) -> None:
+        """The cause's saving dict: ``save`` ns per step (marginal to ``marginal_to``: what the
+        fix adds once those are made), ``together`` what all of them and it save."""
+        ref_step = self.step_ns(f)
+        save = max(save, 0.0)
         c.saving = {
             "method": "joint replay" if self.coupled else "replay",
             "per_step_us": save / NS_PER_US,
             "share": save / ref_step if ref_step > 0 else 0.0,
             "total_us": save * len(f.steps) / NS_PER_US,
-            "marginal_to": [e.label for e in given] if given else [],
+            "marginal_to": marginal_to,
             "baseline_step_us": ref_step / NS_PER_US,
-            "fixed_step_us": (ref_step - save) / NS_PER_US,
+            # the step once this fix and those of marginal_to are made
+            "fixed_step_us": (ref_step - together) / NS_PER_US,
             "recorded_step_us": f.recorded_step_ns / NS_PER_US,
             "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
             "by_step_us": {int(s): float(v) / NS_PER_US for s, v in zip(f.graph.step_number, by_step)},
         }
+
+
+def _diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a - b`` by step, where ``b`` (a saving already counted) has the steps ``a`` has."""
+    return a - b if len(a) == len(b) else a
+
+
+def unprofiled_excess_ns(facts: list[RankFacts], res: dict, target_ns: float | None = None) -> float:
+    """How much longer the replayed typical step (``res``: the ranks' baseline replays; the
+    job's is its slowest rank's) is than the unprofiled step the agents measured (``target_ns``,
+    default the median of the ranks that have one, as the calibration fits it), when the
+    calibration could not deflate the recording that far (the GPU's recorded work alone is
+    longer, say: ALPHA_MAX and MIN_HOST_SCALE reached). No fix can win that time back: the job
+    never spent it. 0 without a measured step, and within the calibration's tolerance (there
+    the replay is the measured step)."""
+    target = target_ns or unprofiled_target_ns([f.unprofiled_step_ns for f in facts])
+    if not target or not res:
+        return 0.0
+    typical = max(typical_step_ns(res[f.rank], f.extra.get("outliers")) for f in facts if f.rank in res)
+    return typical - target if typical > target * (1 + CALIBRATION_TOL) else 0.0
 
 
 def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = False,
@@ -162,6 +273,7 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = Fa
     f.extra["owned_nodes"] = claimed
     f.extra["found"] = found  # what the detectors found so far, for those that run last
     dets = registry.detectors(Scope.RANK, asked) + (() if coupled else registry.detectors(Scope.UNCOUPLED, asked))
+    generic: list[Cause] = []
     for det in sorted(dets, key=lambda d: d.last):
         if det.generic:
             f.extra["claimed_nodes"] = claimed
@@ -170,9 +282,21 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = Fa
             # also hide an unfused optimizer's launches, but fusing it is the fix for that
             pricer.price(f, c, [s.edit for s in found if s.edit is not None and s.rank == f.rank] if det.generic else None)
             found.append(c)
+            if det.generic:
+                generic.append(c)
             if c.region is not None and len(c.region) == len(claimed):
                 claimed |= c.region
+    pricer.price_jointly(f, joint_order(found, generic))
     return found, rank_symptoms(f)
+
+
+def joint_order(found: list[Cause], generic: list[Cause]) -> list[Cause]:
+    """The order a rank's causes are priced together in: the specific ones by what each saves
+    alone, then the generic ones as they were found (each is a remedy for what the specific
+    causes leave: it is priced once they are fixed, docs/findings.md "Pricing")."""
+    gen = {id(c) for c in generic}
+    specific = sorted((c for c in found if id(c) not in gen), key=lambda c: -c.saving.get("alone_us", 0.0))
+    return specific + [c for c in found if id(c) in gen]
 
 
 def rank_conditions(f: RankFacts, asked: frozenset[str] | None = None) -> dict[str, bool]:
@@ -237,11 +361,28 @@ def cause_dict(c: Cause) -> dict:
     return d
 
 
-def baseline_entry(f: RankFacts, coupled: bool) -> dict:
-    """The report's ``baseline`` row of one rank: recorded, unprofiled and replayed step, scales."""
+def baseline_entry(f: RankFacts, coupled: bool, pricer: Pricer | None = None) -> dict:
+    """The report's ``baseline`` row of one rank: recorded, unprofiled and replayed step, what the
+    replay was fitted to (``priced_from``), the replayed step less what it exceeds the
+    unprofiled one by (``baseline_step_us``, what a saving on this rank is a share of; coupled,
+    the job's step is its slowest rank's) and the most a fix that leaves the rank's GPU work as
+    it is can save of it (``ceiling_us``), scales."""
+    pricer = pricer or Pricer([f], False)
+    # the ranks of a coupled job in hand are calibrated together (diagnosis.job.settle)
+    jointly = coupled and len(pricer.facts) > 1
+    measured = (bool(pricer.target_ns) or any(q.unprofiled_step_ns for q in pricer.facts)) if jointly \
+        else bool(f.unprofiled_step_ns)
+    # the rank's own replayed step (a coupled rank's, replayed with the others, ends with theirs)
+    step = f.base.per_step_ns - pricer.excess_ns(f)
     return {"rank": f.rank, "recorded_step_us": f.recorded_step_ns / NS_PER_US,
             "unprofiled_step_us": f.unprofiled_step_ns / NS_PER_US if f.unprofiled_step_ns else None,
+            # unprofiled: fitted to this rank's unprofiled step; job unprofiled: the coupled ranks
+            # fitted together to the median of those they have; recording: no unprofiled step to
+            # fit to, the profiler's cost removed by its per-event estimate
+            "priced_from": ("job unprofiled" if jointly else "unprofiled") if measured else "recording",
             "replayed_step_us": f.base.per_step_ns / NS_PER_US,
+            "baseline_step_us": step / NS_PER_US,
+            "ceiling_us": max(step - gpu_floor_ns(f.graph) / max(f.base.steps, 1), 0.0) / NS_PER_US,
             "profiler_cost_scale": f.host_scale[0], "host_scale": f.host_scale[1],
             "profiler_cost_us": f.graph.deflated_ns / max(len(f.steps), 1) / NS_PER_US,
             "coupled": bool(coupled),

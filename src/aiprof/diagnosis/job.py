@@ -114,11 +114,20 @@ def attach_collectives(facts: list[RankFacts], columns: dict) -> bool:
     return True
 
 
-def settle(coupled: list[RankFacts]) -> None:
-    """Calibrate coupled ranks together (to the median of their unprofiled steps, where known)
+def unprofiled_target_ns(steps_ns: list[float | None]) -> float | None:
+    """The unprofiled step a coupled job's replay is fitted to: the median of its ranks' measured
+    ones (each rank's agent times its own iterations); None when no rank has one."""
+    known = [v for v in steps_ns if v]
+    return float(np.median(known)) if known else None
+
+
+def settle(coupled: list[RankFacts], target_ns: float | None = None) -> None:
+    """Calibrate coupled ranks together to ``target_ns``, the job's unprofiled step (default: the
+    median of these ranks' unprofiled steps, where known; analysed rank by rank, the ranks in
+    hand are a pair and the driver passes the job's, :func:`unprofiled_target_ns` of every rank),
     and set each one's baseline to the joint replay."""
-    targets = [f.unprofiled_step_ns for f in coupled if f.unprofiled_step_ns]
-    scale = calibrate_joint(coupled, float(np.median(targets))) if targets else (1.0, 1.0)
+    target = target_ns or unprofiled_target_ns([f.unprofiled_step_ns for f in coupled])
+    scale = calibrate_joint(coupled, target) if target else (1.0, 1.0)
     res = joint_replay(coupled, traced=True)  # traced: each rank's critical path walks back through it
     for f in coupled:
         f.host_scale = scale

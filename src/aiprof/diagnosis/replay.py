@@ -105,6 +105,37 @@ class ReplayResult:
         return self.total_ns / max(self.steps, 1)
 
 
+def gpu_floor_ns(g: Graph, edit: Edit | None = None) -> float:
+    """The GPU's own work in the window with ``edit`` applied, on its busiest stream: the sum of
+    that stream's op durations (a matched collective: its transfer time). No replay of the graph
+    ends earlier, whatever host time a fix removes: each stream runs its ops one after another
+    from the window's start at the earliest (the replay with no host time at all, every op
+    launched back to back from a graph, no other rank to wait for, reaches it on one stream)."""
+    if not g.n_ops:
+        return 0.0
+    dur = g.o_dur.copy()
+    if edit is not None and edit.op_dur is not None:
+        m = ~np.isnan(edit.op_dur)
+        dur[m] = edit.op_dur[m]
+    if g.o_coll is not None and g.c_transfer:
+        transfer = g.c_transfer if edit is None or edit.c_transfer is None else g.c_transfer | edit.c_transfer
+        coll = g.o_coll.tolist()
+        for j in np.nonzero(g.o_coll >= 0)[0].tolist():
+            t = transfer.get(coll[j])
+            if t is not None:
+                dur[j] = t
+    keep = np.ones(g.n_ops, dtype=bool)
+    if edit is not None and edit.drop_op is not None:
+        keep &= ~edit.drop_op
+    end = np.nonzero(g.a_kind == END)[0]
+    if len(end):  # the replay stops at the window's end: ops launched after it never run
+        keep &= g.o_action < end[0]
+    if not keep.any():
+        return 0.0
+    streams, inv = np.unique(g.o_stream[keep], return_inverse=True)
+    return float(np.bincount(inv, weights=dur[keep], minlength=len(streams)).max())
+
+
 def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, starts: list | None = None,
            op_ends: list | None = None, trace: Trace | None = None) -> ReplayResult:
     """Simulate ``g`` (optionally with ``edit`` applied) and time the window.

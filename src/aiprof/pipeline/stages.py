@@ -47,7 +47,7 @@ def rank_stage(f: RankFacts, pricer: engine.Pricer, coupled: bool,
     conditions. ``asked``: the experimental codes to run (default: $AIPROF_EXPERIMENTAL_CAUSES)."""
     causes, symptoms = engine.diagnose_rank(f, pricer, coupled, asked)
     # the conditions matter only to a coupled job's causes
-    return RankSummary(f.rank, causes, symptoms, engine.baseline_entry(f, coupled),
+    return RankSummary(f.rank, causes, symptoms, engine.baseline_entry(f, coupled, pricer),
                        engine.rank_conditions(f, asked) if coupled else {})
 
 

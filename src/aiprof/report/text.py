@@ -20,6 +20,14 @@ _PATH_ROWS = 8  # leaves of the critical-path table (the JSON keeps diagnosis.cr
 PIPED_WIDTH = 140
 DIFF_PIPED_WIDTH = 160  # the diff's table carries a host-stack column on top
 MIN_WIDTH = 40  # narrower than this, rich squeezes every cell to a letter: wrap instead
+# A cause's stand-alone saving is shown beside its marginal one when they differ by this share of
+# the step (the report's floor, 1 %: a smaller difference changes no decision).
+ALONE_SHOWN_SHARE = 0.01
+# A minor cause (it adds < 1 % once the causes above are fixed) that would save at least this
+# share of the step alone is named under the causes: an alternative remedy for the same time
+# (decode CUDA graphs where batching is not possible), worth a change by itself (MEDIUM_SHARE).
+ALTERNATIVE_MIN_SHARE = 0.03
+_MAX_ALTERNATIVES = 3
 
 
 def output_width(file: IO[str] | None = None, piped: int = PIPED_WIDTH) -> int:
@@ -166,7 +174,7 @@ def _causes(console: Console, report: dict) -> None:
         else:
             console.print(Text.assemble((f"{i}. [{c['severity']}] {c['code']}", sev), f" · {who} · saves ",
                                         (f"{_ms(sv.get('per_step_us', 0.0))} ms per step", "bold"),
-                                        f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step)"))
+                                        f" ({100 * sv.get('share', 0.0):.1f}% of a {_ms(step)} ms step{_marginal(sv)})"))
         console.print(f"   {c['title']}")
         place = c.get("place") or {}
         where = place.get("site") or place.get("name") or ""
@@ -180,6 +188,16 @@ def _causes(console: Console, report: dict) -> None:
     if minor:
         console.print(Text(f"({len(minor)} minor cause(s) below 1% of a step each: in the JSON report under \"minor\")",
                            style="dim"))
+        if causes:
+            # an alternative remedy for time a cause above already wins: worth knowing on its own
+            alternatives = [c for c in minor if c["saving"].get("alone_share", 0.0) >= ALTERNATIVE_MIN_SHARE
+                            and c["saving"].get("marginal_to")]
+            for c in alternatives[:_MAX_ALTERNATIVES]:
+                sv, before = c["saving"], list(dict.fromkeys(c["saving"].get("marginal_to") or []))
+                console.print(Text(f"   {c['code']} · {'job' if c.get('rank') is None else 'rank ' + str(c['rank'])} would "
+                                   f"save {_ms(sv['alone_us'])} ms per step alone ({100 * sv['alone_share']:.1f}%), "
+                                   f"{_ms(sv.get('per_step_us', 0.0))} ms once {', '.join(before)} "
+                                   f"{'is' if len(before) == 1 else 'are'} fixed: {c['title']}", style="dim"))
     orphans = [s for s in report.get("symptoms", []) if s.get("orphan")]
     if orphans:
         console.print(Text("Symptoms no cause explains", style="bold"))
@@ -190,12 +208,67 @@ def _causes(console: Console, report: dict) -> None:
     path = _critical_path_table(report)
     if path is not None:
         console.print(path)
-    for b in report.get("baseline", []):
-        un = b.get("unprofiled_step_us")
-        console.print(Text(f"rank {b['rank']}: recorded step {_ms(b['recorded_step_us'])} ms under the profiler; "
-                           + (f"unprofiled {_ms(un)} ms (measured by the agent before the capture)" if un else
-                              "unprofiled step not recorded (estimated by removing the profiler's cost)")
-                           + f"; savings are shares of the replayed {_ms(b['replayed_step_us'])} ms", style="dim"))
+    line = baseline_line(report.get("baseline", []))
+    if line:
+        console.print(Text(line, style="dim"))
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Ranks as the report names them: runs of three or more consecutive ranks as ranges
+    ("0–3, 6, 8, 9")."""
+    out: list[str] = []
+    rs = sorted(set(ranks))
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if j == i else f"{rs[i]}–{rs[j]}" if j > i + 1 else f"{rs[i]}, {rs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _span(values: list[float]) -> str:
+    """One value in ms, or the range of several."""
+    lo, hi = min(values), max(values)
+    return f"{_ms(lo)} ms" if _ms(lo) == _ms(hi) else f"{_ms(lo)}–{_ms(hi)} ms"
+
+
+def baseline_line(rows: list[dict]) -> str:
+    """The report's footer: the step the savings are shares of, and on which ranks the agent
+    measured the unprofiled step the replay is fitted to (the others: fitted together with
+    them when the job's ranks are coupled, else priced from the recording)."""
+    if not rows:
+        return ""
+    shares = _span([b.get("baseline_step_us", b["replayed_step_us"]) for b in rows])
+    longer = any(b.get("baseline_step_us", b["replayed_step_us"]) < b["replayed_step_us"] for b in rows)
+    tail = (f"; savings are shares of the {shares} unprofiled step (the replay of the recording, "
+            f"{_span([b['replayed_step_us'] for b in rows])}, could not be fitted down to it)" if longer else
+            f"; savings are shares of the replayed {shares} step")
+    recorded = f"recorded {_span([b['recorded_step_us'] for b in rows])} under the profiler"
+    if len(rows) == 1:
+        b, un = rows[0], rows[0].get("unprofiled_step_us")
+        return (f"rank {b['rank']}: recorded step {_ms(b['recorded_step_us'])} ms under the profiler; "
+                + (f"unprofiled {_ms(un)} ms (measured by the agent before the capture)" if un else
+                   "unprofiled step not recorded (estimated by removing the profiler's cost)") + tail)
+    have = [b for b in rows if b.get("unprofiled_step_us")]
+    if not have:
+        return (f"unprofiled step recorded on no rank (ranks {rank_list([b['rank'] for b in rows])}): priced from the "
+                f"recording, the profiler's cost removed by estimate; {recorded}" + tail)
+    head = (f"unprofiled step measured by the agent on {_ranks([b['rank'] for b in have])} "
+            f"({_span([b['unprofiled_step_us'] for b in have])}; {recorded})")
+    fitted = [b["rank"] for b in rows if not b.get("unprofiled_step_us") and b.get("priced_from") == "job unprofiled"]
+    alone = [b["rank"] for b in rows if not b.get("unprofiled_step_us") and b.get("priced_from") != "job unprofiled"]
+    if fitted:
+        head += f"; {_ranks(fitted)} had none: replayed with the others, fitted to theirs"
+    if alone:
+        head += f"; {_ranks(alone)} priced from the recording (the profiler's cost removed by estimate)"
+    return head + tail
+
+
+def _ranks(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
 
 
 def _critical_path_table(report: dict) -> Table | None:
@@ -224,6 +297,16 @@ def _critical_path_table(report: dict) -> Table | None:
         t.add_row(_ms(rest), f"{100 * rest / max(cp['per_step_us'], 1e-9):.1f}%", "",
                   f"{cp.get('other_leaves', 0) + max(len(cp['leaves']) - _PATH_ROWS, 0)} other leaves", "", "")
     return t
+
+
+def _marginal(sv: dict) -> str:
+    """The fixes a cause's saving is marginal to, and what it saves by itself, where the two
+    differ by at least ALONE_SHOWN_SHARE of the step (the savings shown add up; docs/findings.md)."""
+    alone, step, before = sv.get("alone_us"), sv.get("baseline_step_us") or 0.0, sv.get("marginal_to") or []
+    if alone is None or not before or step <= 0 or abs(alone - sv.get("per_step_us", 0.0)) < ALONE_SHOWN_SHARE * step:
+        return ""
+    names = list(dict.fromkeys(before))
+    return f" once {', '.join(names)} {'is' if len(names) == 1 else 'are'} fixed; {_ms(alone)} ms alone"
 
 
 def _steps_of(report: dict, item: dict) -> int:

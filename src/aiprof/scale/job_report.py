@@ -31,7 +31,7 @@ from aiprof.analysis.ranks import align_and_arrivals, cross_rank_of
 from aiprof.analysis.report import RankReport
 from aiprof.diagnosis.causes import experimental_asked
 from aiprof.diagnosis.engine import assemble
-from aiprof.diagnosis.job import coupling
+from aiprof.diagnosis.job import coupling, unprofiled_target_ns
 from aiprof.errors import TraceError
 from aiprof.scale import tasks
 from aiprof.scale.engines import Progress, RayEngine, SerialEngine
@@ -72,7 +72,10 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     columns["collectives"] = {c.rank: c for c in colls}
     rcols = coupling(columns, {x.rank: x.comm_end for x in ing}) if multi else {}
     off = columns.get("offset_ns") or {}
-    inputs = {x.rank: tasks.RankInput(x.source, x.index, rcols.get(x.rank), float(off.get(x.rank, 0.0))) for x in ing}
+    # every coupled rank's unprofiled step, for the pairs' calibration and pricing (issue 28, item 7)
+    job_un = unprofiled_target_ns([x.unprofiled_ns for x in ing if x.rank in rcols]) if rcols else None
+    inputs = {x.rank: tasks.RankInput(x.source, x.index, rcols.get(x.rank), float(off.get(x.rank, 0.0)),
+                                      job_unprofiled_ns=job_un) for x in ing}
     coupled = bool(rcols)
     if coupled:  # the rank that prices the job's causes reads its collectives' sizes through it
         inputs[ranks[0]].rank_index = (columns.get("rank_index") or {}).get(ranks[0])

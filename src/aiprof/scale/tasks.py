@@ -20,7 +20,7 @@ from aiprof.analysis.breakdown import StepBreakdown
 from aiprof.analysis.ranks import RankCollectives as Collectives
 from aiprof.analysis.ranks import diff_evidence, rank_collectives, rank_host
 from aiprof.diagnosis.detector import JobFacts
-from aiprof.diagnosis.engine import Pricer
+from aiprof.diagnosis.engine import Pricer, unprofiled_step_ms
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import RankCollectives as Coupling
 from aiprof.diagnosis.job import comm_ends, settle
@@ -39,6 +39,7 @@ class Ingested:
     world_size: int
     collectives: Collectives
     comm_end: np.ndarray  # when each collective's communication ended (diagnosis.job.comm_ends)
+    unprofiled_ns: float | None = None  # the step its agent measured before the capture (meta.json)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class RankInput:
     # the rank's column of the cross-rank matching (analysis.ranks.align_and_arrivals
     # "rank_index"): sent for the rank that prices the job's causes, which read message sizes
     rank_index: np.ndarray | None = None
+    # the job's unprofiled step (diagnosis.job.unprofiled_target_ns of every coupled rank's): what
+    # the rank and its partner are fitted to, as every rank is in process
+    job_unprofiled_ns: float | None = None
 
 
 @dataclass
@@ -102,8 +106,9 @@ def ingest_rank(source: str, index: int, use_cache: bool = True) -> Ingested:
     """Ingest one trace file into its store (or find it cached) and summarise its collectives."""
     rt = ingest(source, index, None, use_cache)
     rc = rank_collectives(rt)
+    un = unprofiled_step_ms(rt)
     return Ingested(rank=rt.rank, index=index, source=source, host=rank_host(rt), world_size=rt.world_size,
-                    collectives=rc, comm_end=np.asarray(comm_ends(rt, rc)))
+                    collectives=rc, comm_end=np.asarray(comm_ends(rt, rc)), unprofiled_ns=un * 1e6 if un else None)
 
 
 # The partner rank's facts, per worker process: every task of one analysis pairs its rank with
@@ -134,8 +139,11 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
     if partner is None or inp.coupling is None or partner.coupling is None:
         return rep, f, [f], Pricer([f], False)
     pair = [f, _partner_facts(partner, entry, top, token)]
-    settle(pair)
-    return rep, f, pair, Pricer(pair, True)
+    # the job's measured step, not the pair's alone; a rank whose steps were split from the
+    # agent's iterations has its own scale for it (engine.rank_facts): the pair's then
+    target = None if any(q.steps.within for q in pair) else inp.job_unprofiled_ns
+    settle(pair, target)
+    return rep, f, pair, Pricer(pair, True, target)
 
 
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,

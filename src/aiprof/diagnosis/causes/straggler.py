@@ -50,6 +50,11 @@ MIN_EXPLAINED_SHARE = 0.25
 SLOWER_MIN_RATIO = 1.10
 
 
+def _alone_us(c: Cause) -> float:
+    """What a cause's fix saves per step by itself (the engine's joint pricing keeps it)."""
+    return c.saving.get("alone_us", c.saving.get("per_step_us", 0.0))
+
+
 def _acts_on(code: str) -> tuple[str, ...]:
     """The classes of work the cause ``code``'s fix acts on (its detector's ``acts_on``)."""
     from aiprof.diagnosis.causes import REGISTRY  # here: the registry imports this module
@@ -276,8 +281,10 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
             idle = min(float(sum(b.idle_us for b in fw.breakdown)), w.us - comm)
             if idle > 0:
                 claims.append(Claim(GPU_IDLE, w.rank, idle))
+        # compared by what each saves by itself (the straggler's fix is priced alone too), not by
+        # what it adds to the rank's other fixes
         own = sorted((c for c in found if c.rank == s and c.saving.get("share", 0.0) >= MIN_REPORTED_SHARE),
-                     key=lambda c: -c.saving.get("per_step_us", 0.0))
+                     key=lambda c: -_alone_us(c))
         info = {"rank": s, "waiting_ranks": ev.get("waiting_ranks", []), "last_arrivals": ev.get("last_arrivals"),
                 "collectives": ev.get("collectives"), "caused_wait_per_step_us": ev.get("caused_wait_per_step_us"),
                 "by_class": ev.get("by_class", [])[:3], "missing_ranks": ev.get("missing_ranks", [])}
@@ -307,7 +314,7 @@ def causes(facts: list[RankFacts], cross: dict, found: list[Cause], pricer) -> t
         # a cause a detector found on the straggler is the better answer when it explains at
         # least half of what bringing the straggler to the median rank would save
         own = [o for o in own if cls in _acts_on(o.code)]
-        if own and own[0].saving.get("per_step_us", 0.0) >= PROMOTE_SHARE * c.saving.get("per_step_us", 0.0):
+        if own and _alone_us(own[0]) >= PROMOTE_SHARE * c.saving.get("per_step_us", 0.0):
             o = own[0]
             o.title = f"rank {s} is the straggler (rank(s) {wr} wait for it): {o.title}"
             o.evidence["straggler"] = info
