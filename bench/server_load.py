@@ -243,6 +243,18 @@ def proc_cpu_s(pid: int) -> float:
         return 0.0
 
 
+def proc_peak_rss_mb(pid: int) -> float:
+    """A live process's peak resident memory (VmHWM), MB; nan once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("nan")
+
+
 def machine_cpu_s() -> float:
     """CPU seconds every process of this machine has used so far (all cores, not idle or iowait)."""
     try:
@@ -488,6 +500,9 @@ def run_once(a: argparse.Namespace, src: str | None, label: str) -> dict[str, An
             if xs:
                 print(f"  {kind:9s} n={len(xs):5d}  p50 {pct(xs, 50) * 1e3:8.1f} ms  p95 {pct(xs, 95) * 1e3:8.1f} ms"
                       f"  max {max(xs) * 1e3:8.1f} ms")
+        peak = info["stats"].get("upload_buffered_peak")
+        print(f"  server memory: peak RSS {proc_peak_rss_mb(srv.pid):.0f} MB" +
+              (f"; upload bytes waiting to be written, at most {peak / 2**20:.1f} MiB" if peak is not None else ""))
         print(f"  bytes sent {sent_bytes}, stored and hash-verified {stored_bytes}, server counted "
               f"{info['stats']['upload_bytes']}; checksum mismatches seen by the server {info['stats']['checksum_mismatch']}")
         print(f"  errors = {len(rep.errors)}, files missing or different = {len(mismatched)}")
@@ -505,6 +520,7 @@ def run_once(a: argparse.Namespace, src: str | None, label: str) -> dict[str, An
                "hang_server_cpu_s": round(hang_cpu["server_cpu_s"], 3),
                "hang_arrivals_s": None if arrivals is None else round(arrivals, 3),
                "hang_assembled_s": timing.get("assembled_s"),
+               "server_peak_rss_mb": round(proc_peak_rss_mb(srv.pid), 1), "upload_buffered_peak": peak,
                "asm_posted_s": asm.get("posted_s"), "asm_assembled_s": asm.get("assembled_s"),
                "asm_server_cpu_s": asm.get("server_cpu_s"),
                "stacks_p50_ms": round(pct(st.get("stacks", []), 50) * 1e3, 1),
@@ -536,6 +552,7 @@ COLUMNS = [("upload MB/s (trigger -> last file)", "upload_mb_s", "{:.1f}"),
            ("load generator CPU s", "upload_clients_cpu_s", "{:.1f}"),
            ("other processes CPU s", "upload_other_cpu_s", "{:.1f}"),
            ("heartbeat p95 ms", "heartbeat_p95_ms", "{:.0f}"),
+           ("server peak RSS MB", "server_peak_rss_mb", "{:.0f}"),
            ("hang trigger -> analysed s", "hang_s", "{:.2f}"),
            ("hang fan-out s", "hang_fanout_s", "{:.2f}"),
            ("stacks POST p95 ms", "stacks_p95_ms", "{:.0f}"),
