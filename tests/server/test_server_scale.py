@@ -160,3 +160,52 @@ def test_a_restarted_server_lists_a_collecting_snapshot_once(tmp_path, monkeypat
             time.sleep(0.1)  # polling a condition, with a deadline
     assert len(st["result"]["processes"]) == RANKS
     assert listed == [d]
+
+
+def test_bytes_waiting_for_the_disk_stay_within_the_budget(app, monkeypatch):
+    """With the disk stalled, uploads take in their bodies only while the bytes not yet written
+    are within WRITE_BUDGET; the others wait (their clients with them), and past ROOM_WAIT_S are
+    answered 503 with what they hold (nothing here). Once the disk moves, every file is whole."""
+    c, svc = app
+    cid = c.post("/api/v1/jobs/j/captures", json={"request": {"iterations": 1}, "auto_analyze": False}).json()["capture_id"]
+    size = 200_000
+    monkeypatch.setattr(upload_routes, "WRITE_BUDGET", 256 << 10)  # room for one body, not for two more
+    monkeypatch.setattr(upload_routes, "ROOM_WAIT_S", 2.0)
+    entered, release = threading.Semaphore(0), threading.Event()
+    real_fsync = os.fsync
+
+    def stalled_fsync(fd: int) -> None:
+        if "/.uploads/" in os.readlink(f"/proc/self/fd/{fd}"):
+            entered.release()
+            assert release.wait(SETTLE_S), "the test never released the fsync"
+        real_fsync(fd)
+    monkeypatch.setattr(upload_routes.os, "fsync", stalled_fsync)
+    bodies = {r: os.urandom(size) for r in range(4)}
+    answers: dict = {}
+
+    def put(r: int) -> None:
+        q = {"offset": 0, "size": size, "sha256": hashlib.sha256(bodies[r]).hexdigest()}
+        answers[r] = c.put(f"/api/v1/captures/{cid}/ranks/{r}/files/trace.json.gz", params=q, content=bodies[r])
+    threads = [threading.Thread(target=put, args=(r,), daemon=True) for r in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        assert entered.acquire(timeout=SETTLE_S) and entered.acquire(timeout=SETTLE_S), "two uploads reached the disk"
+        deadline = time.monotonic() + SETTLE_S  # the two others wait for room, then give up: 503, nothing held
+        while len(answers) < 2:
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.05)  # polling a condition, with a deadline
+        refused = sorted(answers)
+        assert all(answers[r].status_code == 503 and answers[r].json()["busy"] for r in refused), answers
+        assert svc.ctx.stats["upload_buffered_peak"] <= (256 << 10) + size
+        assert not entered.acquire(blocking=False)  # no third upload reached the disk
+    finally:
+        release.set()
+        for t in threads:
+            t.join(SETTLE_S)
+    for r in range(4):
+        if answers[r].status_code == 503:  # the client's retry, once the disk moves
+            q = {"offset": answers[r].json()["received"], "size": size, "sha256": hashlib.sha256(bodies[r]).hexdigest()}
+            answers[r] = c.put(f"/api/v1/captures/{cid}/ranks/{r}/files/trace.json.gz", params=q, content=bodies[r])
+        assert answers[r].json()["complete"], answers[r].text
+        assert open(svc.ctx.data.file_path(cid, r, "trace.json.gz"), "rb").read() == bodies[r]

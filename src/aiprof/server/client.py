@@ -118,7 +118,8 @@ class ServerClient:
         if not self.keep_alive:
             return self._conn(timeout), False
         conn = getattr(self._local, "conn", None)
-        if conn is not None and conn.sock is not None and time.monotonic() - self._local.used < KEEP_ALIVE_IDLE_S:
+        if (conn is not None and conn.sock is not None
+                and time.monotonic() - getattr(self._local, "used", float("-inf")) < KEEP_ALIVE_IDLE_S):
             conn.timeout = timeout or self.timeout
             conn.sock.settimeout(conn.timeout)
             return conn, True
@@ -166,8 +167,8 @@ class ServerClient:
                     self._drop()
                 else:
                     conn.close()
-                # a kept connection the server closed meanwhile (idle, restarted, at its connection
-                # cap): the request never reached it; sent again once on a new connection
+                # a kept connection the server closed meanwhile (restarted, at its connection cap;
+                # uvicorn closes only connections between requests): sent again once, on a new one
                 if reused and isinstance(exc, STALE) and (data is None or isinstance(data, bytes)):
                     continue
                 raise ServerError(f"{self.base}: {type(exc).__name__}: {exc}") from None

@@ -35,7 +35,7 @@ STATE = ".state.json"
 VIEWS_KEPT = 32
 PART_DIR = ".uploads"
 # Agents' results, one JSON line each, appended beside the state (DataDir.add_result): rewriting a
-# 1,024-rank state (~200 kB) on each of 1,024 results took a quarter of the event loop's time
+# 1,024-rank state (up to ~190 kB) on each of 1,024 results took a quarter of the event loop's time
 RESULTS_LOG = ".results.jsonl"
 
 

@@ -34,11 +34,15 @@ SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # fsync the part this often: a crash re-sends at most this much, and 200 MB cost ~25 fsyncs
 DURABLE_EVERY = 8 << 20
 # A body's bytes are written on a worker thread once this many have arrived (and at its end):
-# a file of at most this size (the client's block) takes one call. Past WRITE_BUDGET bytes
-# waiting over all uploads, each upload writes what it holds at once: the memory they hold
-# stays bounded with thousands at a time.
+# a file of at most this size (the client's block) takes one call.
 WRITE_BATCH = 1 << 20
-WRITE_BUDGET = 128 << 20
+# Bytes received and not written yet, over all uploads: past it an upload writes what it holds
+# at once and reads no more of its body until there is room (its client waits: TCP flow
+# control), so the memory held stays bounded with thousands of uploads at a time (1,024 ranks'
+# 256 kB files, read whole before their writes, held 195 MiB without this wait). An upload that
+# finds no room for ROOM_WAIT_S (the disk stalled) keeps what arrived and is answered 503.
+WRITE_BUDGET = 64 << 20
+ROOM_WAIT_S = 30.0
 # Longest wait for another upload of the same file to finish. Longer than BODY_IDLE_TIMEOUT_S,
 # so a stalled holder is cut off (its bytes kept) before a resuming client gives up.
 LOCK_WAIT_S = 2 * BODY_IDLE_TIMEOUT_S
@@ -106,6 +110,8 @@ class UploadRoutes:
         self.queue = queue
         self.file_locks: dict[tuple, asyncio.Lock] = {}
         self.buffered = 0  # body bytes received and not written yet, over all uploads (WRITE_BUDGET)
+        self.room = asyncio.Event()  # set while self.buffered is within WRITE_BUDGET
+        self.room.set()
 
     def _paths(self, cid: str, rank: int, name: str) -> tuple[str, str]:
         """The file's final path and its part's, each checked to lie in DATA (once per request)."""
@@ -185,7 +191,7 @@ class UploadRoutes:
         # pile up.
         p = _Part(self, cid, rank, name, offset, size, sha, q.get("job"), world, q.get("scope"))
         received = offset
-        over = stalled = False
+        over = stalled = busy = False
         synced = offset
         buf = bytearray()
 
@@ -195,13 +201,21 @@ class UploadRoutes:
             try:
                 await self.ctx.io(p.write, data, received if durable else None)
             finally:
-                self.buffered -= len(data)
+                self._written(len(data))
             if durable:
                 synced = received
 
         chunks = body_chunks(req)
         try:
-            async for chunk in chunks:
+            while True:
+                # past the budget, no more of the body is taken in until writes make room
+                if received < size and not await self._room():
+                    busy = True  # the disk is far behind: keep what arrived, the client resumes later
+                    break
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
                 if received + len(chunk) > size:
                     over = True
                     break
@@ -233,13 +247,16 @@ class UploadRoutes:
                         p.finish, buf, received if not over and received > synced else None,
                         not over and not stalled and received == size, over)
             finally:
-                self.buffered -= len(buf)
+                self._written(len(buf))
                 if p.created:
                     self.queue.active.add(cid)
         if p.already is not None:
             return JSONResponse(p.already)
         if over:
             raise HTTPError(413, f"more bytes than the declared size {size}")
+        if busy:
+            raise HTTPError(503, f"the server is behind writing uploads to disk; {received} bytes kept, resume "
+                                 "from there later", received=received, busy=True)
         if stalled:
             raise HTTPError(408, f"no data for {BODY_IDLE_TIMEOUT_S:g} s; {received} bytes kept, resume from there",
                             received=received)
@@ -257,6 +274,23 @@ class UploadRoutes:
                 self._learn_ranks(cid, rank)
             self.queue.rank_complete(cid, rank)
         return JSONResponse({"complete": True, "received": n, "sha256": digest})
+
+    def _written(self, n: int) -> None:
+        """``n`` buffered bytes are written (or dropped): room for others when within the budget."""
+        self.buffered -= n
+        if self.buffered <= WRITE_BUDGET:
+            self.room.set()
+
+    async def _room(self) -> bool:
+        """Wait until the bytes waiting to be written are within WRITE_BUDGET (False: not within
+        ROOM_WAIT_S)."""
+        try:
+            while self.buffered > WRITE_BUDGET:
+                self.room.clear()
+                await within(self.room.wait(), ROOM_WAIT_S)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _open_part(self, cid: str, rank: int, name: str, offset: int, size: int, sha: str, job: str | None,
                    world: int | None, scope: str | None) -> dict | tuple[Any, bool, str, str]:
