@@ -12,7 +12,7 @@ import time
 import pytest
 from srvsupport import start_server
 
-from aiprof.server.client import ServerError, file_sha256
+from aiprof.server.client import UPLOAD_BLOCK, ServerError, file_sha256
 from aiprof.server.registry import AgentInfo, plan_start
 from aiprof.server.store import BadName, DataDir, safe_name
 
@@ -113,8 +113,10 @@ def test_upload_checksum_size_limits_and_resume(tmp_path):
         assert (res.resumed_from, res.sent, res.sha256) == (half, size - half, digest)
         stored = srv.data / "captures" / "cap1" / "rank0" / "trace.json.gz"
         assert stored.read_bytes() == f.read_bytes()
-        # uploading again is a no-op; a different file under the same name is refused
-        assert c.upload_file("cap1", 0, str(f)).sent == 0
+        # uploading again stores nothing new (a file of one block goes in one PUT, without asking
+        # first: the server answers that it has it); a different file under the same name is refused
+        again = c.upload_file("cap1", 0, str(f))
+        assert again.attempts == 1 and again.sent <= UPLOAD_BLOCK and stored.read_bytes() == f.read_bytes()
         f2 = tmp_path / "other"
         f2.write_bytes(b"other")
         with pytest.raises(ServerError) as e:

@@ -1,19 +1,23 @@
 """The service's per-arrival work does not grow with the job: a capture's state is parsed once
-while its ranks upload (not on every file and result), and a hang snapshot's folder is not
-listed on every rank's arrival. The real app in this process (Starlette's TestClient, lifespan
-and ticker running), with os.listdir and the state reads counted. Throughput is measured by
-bench/server_load.py, not here."""
+while its ranks upload (not on every file and result) and written once when they are all in
+(results are appended to a log), and a hang snapshot's folder is not listed on every rank's
+arrival: it is assembled from the stacks kept in memory. File work is off the event loop: a disk
+that stalls an upload's fsync does not hold back a heartbeat. The real app in this process
+(Starlette's TestClient, lifespan and ticker running), with os.listdir and the state reads and
+writes counted. Throughput is measured by bench/server_load.py, not here."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
+import threading
 import time
 
 import pytest
 from starlette.testclient import TestClient
 
-from aiprof.server import coordination, store
+from aiprof.server import coordination, store, upload_routes
 from aiprof.server.service import create_service
 
 RANKS = 64  # enough that a per-arrival listing or parse would show 64 times over
@@ -49,6 +53,7 @@ def test_capture_uploads_parse_the_state_once(app, monkeypatch):
     c, svc = app
     cid = c.post("/api/v1/jobs/j/captures", json={"request": {"iterations": 1}, "auto_analyze": False}).json()["capture_id"]
     parses = _counting(monkeypatch, store, "read_json", lambda p: p.endswith(os.path.join(cid, store.STATE)))
+    writes = _counting(monkeypatch, store, "write_json", lambda p: p.endswith(os.path.join(cid, store.STATE)))
     for r in range(RANKS):
         for name, body in (("trace.json.gz", os.urandom(4096)), ("meta.json", json.dumps({"rank": r}).encode())):
             q = {"offset": 0, "size": len(body), "sha256": hashlib.sha256(body).hexdigest(), "job": "j"}
@@ -56,14 +61,24 @@ def test_capture_uploads_parse_the_state_once(app, monkeypatch):
             assert res.json()["complete"], res.text
         c.post(f"/api/v1/agents/a{r}/results", json={"capture_id": cid, "rank": r, "ok": True}).raise_for_status()
     assert len(parses) == STATE_PARSES_PER_CAPTURE
-    st = c.get(f"/api/v1/captures/{cid}").json()  # from disk: what the kept view wrote
+    assert len(writes) == 1  # capturing -> uploaded, at the last meta.json; each result is one appended line
+    st = c.get(f"/api/v1/captures/{cid}").json()  # from disk: the state file and the results log
     assert st["state"] == "uploaded" and st["received"] == list(range(RANKS)) and len(st["results"]) == RANKS
+    again = store.DataDir(svc.ctx.data.root).load_capture(cid)  # as a restarted server reads it
+    assert again["results"] == st["results"] and all(v["ok"] for v in again["results"].values())
+
+
+STUCK = RANKS - 3  # in its data loader while every other rank waits in an all-reduce
 
 
 def _stacks(rank: int) -> dict:
+    inner = ({"function": "load_batch", "file": "/job/data.py", "line": 41, "native": False} if rank == STUCK else
+             {"function": "all_reduce", "file": "/usr/lib/python3/torch/distributed/distributed_c10d.py", "line": 2800,
+              "native": False})
     return {"pid": 100 + rank, "host": f"h{rank // 8}", "ok": True, "native": False,
             "threads": [{"thread_id": 1, "name": "MainThread", "active": True, "owns_gil": True,
-                         "frames": [{"function": "train_step", "file": "/job/train.py", "line": 9, "native": False}]}]}
+                         "frames": [inner, {"function": "train_step", "file": "/job/train.py", "line": 9,
+                                            "native": False}]}]}
 
 
 def test_hang_snapshot_assembles_without_listing_per_arrival(app, monkeypatch):
@@ -72,6 +87,7 @@ def test_hang_snapshot_assembles_without_listing_per_arrival(app, monkeypatch):
     hang_dir = svc.ctx.data.hang_dir(sid)
     listed = _counting(monkeypatch, coordination.os, "listdir", lambda p: p == hang_dir)
     state_reads = _counting(monkeypatch, coordination, "read_json", lambda p: p == os.path.join(hang_dir, store.STATE))
+    rank_reads = _counting(monkeypatch, coordination, "read_json", lambda p: re.search(r"rank\d+\.json$", p))
     for r in range(RANKS):
         c.post(f"/api/v1/hang/{sid}/ranks/{r}", json=_stacks(r)).raise_for_status()
     assert listed == [] and state_reads == []  # the state and the ranks arrived are kept in memory
@@ -80,7 +96,47 @@ def test_hang_snapshot_assembles_without_listing_per_arrival(app, monkeypatch):
         assert st["state"] in ("collecting", "analysing") and time.monotonic() < deadline, st
         time.sleep(0.1)  # polling a condition, with a deadline
     assert len(st["result"]["processes"]) == RANKS and st["result"]["missing_ranks"] == []
-    assert listed == []
+    assert [o["rank"] for o in st["result"]["outliers"]] == [STUCK]  # the stuck rank is named
+    assert listed == [] and rank_reads == []  # assembled from the stacks kept in memory, not read back
+    assert st["timing"]["kept_in_memory"] == RANKS and st["timing"]["read_back"] == 0
+    assert sorted(os.listdir(hang_dir)) == sorted([store.STATE, "hang.json"] + [f"rank{r}.json" for r in range(RANKS)])
+
+
+def test_a_slow_disk_does_not_hold_back_heartbeats(app, monkeypatch):
+    """An upload's fsync that does not return (a slow or stalled disk) holds its own request only:
+    a heartbeat sent meanwhile is answered while that fsync is still blocked."""
+    c, svc = app
+    cid = c.post("/api/v1/jobs/j/captures", json={"request": {"iterations": 1}, "auto_analyze": False}).json()["capture_id"]
+    entered, release = threading.Event(), threading.Event()
+    in_fsync = []  # non-empty while the upload's fsync is held
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        if "/.uploads/" in os.readlink(f"/proc/self/fd/{fd}"):
+            in_fsync.append(fd)
+            entered.set()
+            try:
+                assert release.wait(SETTLE_S), "the test never released the fsync"
+            finally:
+                in_fsync.remove(fd)
+        real_fsync(fd)
+    monkeypatch.setattr(upload_routes.os, "fsync", slow_fsync)
+    body = os.urandom(100_000)
+    q = {"offset": 0, "size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.setdefault("res", c.put(
+        f"/api/v1/captures/{cid}/ranks/0/files/trace.json.gz", params=q, content=body)), daemon=True)
+    t.start()
+    try:
+        assert entered.wait(SETTLE_S), "the upload never reached its fsync"
+        hb = c.post("/api/v1/agents/a1/heartbeat", json={"steps": 6})
+        assert hb.status_code == 200 and in_fsync, "the heartbeat waited for the upload's fsync"
+    finally:
+        release.set()
+        t.join(SETTLE_S)
+    assert done["res"].json() == {"complete": True, "received": len(body), "sha256": q["sha256"]}
+    assert (svc.ctx.data.file_path(cid, 0, "trace.json.gz") and
+            open(svc.ctx.data.file_path(cid, 0, "trace.json.gz"), "rb").read() == body)
 
 
 def test_a_restarted_server_lists_a_collecting_snapshot_once(tmp_path, monkeypatch):
@@ -104,3 +160,52 @@ def test_a_restarted_server_lists_a_collecting_snapshot_once(tmp_path, monkeypat
             time.sleep(0.1)  # polling a condition, with a deadline
     assert len(st["result"]["processes"]) == RANKS
     assert listed == [d]
+
+
+def test_bytes_waiting_for_the_disk_stay_within_the_budget(app, monkeypatch):
+    """With the disk stalled, uploads take in their bodies only while the bytes not yet written
+    are within WRITE_BUDGET; the others wait (their clients with them), and past ROOM_WAIT_S are
+    answered 503 with what they hold (nothing here). Once the disk moves, every file is whole."""
+    c, svc = app
+    cid = c.post("/api/v1/jobs/j/captures", json={"request": {"iterations": 1}, "auto_analyze": False}).json()["capture_id"]
+    size = 200_000
+    monkeypatch.setattr(upload_routes, "WRITE_BUDGET", 256 << 10)  # room for one body, not for two more
+    monkeypatch.setattr(upload_routes, "ROOM_WAIT_S", 2.0)
+    entered, release = threading.Semaphore(0), threading.Event()
+    real_fsync = os.fsync
+
+    def stalled_fsync(fd: int) -> None:
+        if "/.uploads/" in os.readlink(f"/proc/self/fd/{fd}"):
+            entered.release()
+            assert release.wait(SETTLE_S), "the test never released the fsync"
+        real_fsync(fd)
+    monkeypatch.setattr(upload_routes.os, "fsync", stalled_fsync)
+    bodies = {r: os.urandom(size) for r in range(4)}
+    answers: dict = {}
+
+    def put(r: int) -> None:
+        q = {"offset": 0, "size": size, "sha256": hashlib.sha256(bodies[r]).hexdigest()}
+        answers[r] = c.put(f"/api/v1/captures/{cid}/ranks/{r}/files/trace.json.gz", params=q, content=bodies[r])
+    threads = [threading.Thread(target=put, args=(r,), daemon=True) for r in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        assert entered.acquire(timeout=SETTLE_S) and entered.acquire(timeout=SETTLE_S), "two uploads reached the disk"
+        deadline = time.monotonic() + SETTLE_S  # the two others wait for room, then give up: 503, nothing held
+        while len(answers) < 2:
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.05)  # polling a condition, with a deadline
+        refused = sorted(answers)
+        assert all(answers[r].status_code == 503 and answers[r].json()["busy"] for r in refused), answers
+        assert svc.ctx.stats["upload_buffered_peak"] <= (256 << 10) + size
+        assert not entered.acquire(blocking=False)  # no third upload reached the disk
+    finally:
+        release.set()
+        for t in threads:
+            t.join(SETTLE_S)
+    for r in range(4):
+        if answers[r].status_code == 503:  # the client's retry, once the disk moves
+            q = {"offset": answers[r].json()["received"], "size": size, "sha256": hashlib.sha256(bodies[r]).hexdigest()}
+            answers[r] = c.put(f"/api/v1/captures/{cid}/ranks/{r}/files/trace.json.gz", params=q, content=bodies[r])
+        assert answers[r].json()["complete"], answers[r].text
+        assert open(svc.ctx.data.file_path(cid, r, "trace.json.gz"), "rb").read() == bodies[r]

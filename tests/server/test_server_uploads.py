@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from srvsupport import PY, start_server
 
-from aiprof.server.client import ServerError, file_sha256
+from aiprof.server.client import ServerClient, ServerError, file_sha256
 from aiprof.server.upload_routes import DURABLE_EVERY
 
 
@@ -174,3 +174,39 @@ def test_a_broken_connection_keeps_every_byte_that_arrived_across_a_restart(tmp_
         assert res.resumed_from == 0 and (data / "captures" / "drop" / "rank0" / "hw.csv").read_bytes() == other.read_bytes()
     finally:
         srv2.stop()
+
+
+def test_a_small_file_sent_whole_resumes_from_what_the_server_holds(server, tmp_path):
+    """A file of one block goes in one PUT from 0 without asking first; when the server holds part
+    of it already (a cut-off earlier upload), its 409 says how much, and the client sends the rest."""
+    src = _blob(tmp_path / "hw.csv", 300_000)
+    sha, size = file_sha256(str(src))
+    body = src.read_bytes()
+    c = server.client()
+    held = 120_000
+    r = c.request("PUT", c.file_path("small", 0, "hw.csv"), raw=body[:held], query={"offset": 0, "size": size, "sha256": sha})
+    assert r == {"complete": False, "received": held}  # the connection ended: what arrived is kept
+    res = c.upload_file("small", 0, str(src))
+    assert (res.attempts, res.resumed_from, res.sent) == (2, held, size - held)
+    assert (server.data / "captures" / "small" / "rank0" / "hw.csv").read_bytes() == body
+    assert not list((server.data / "captures" / "small" / "rank0" / ".uploads").glob("hw.csv.*part"))
+
+
+def test_a_kept_connection_is_reused_and_replaced_after_a_server_restart(tmp_path):
+    """The agent's client keeps one connection per thread; a server that restarted (the kept
+    connection dead) is reached again on a new one, with no error for the caller."""
+    data = tmp_path / "data"
+    srv = start_server(data)
+    port = int(srv.url.rsplit(":", 1)[1])
+    c = ServerClient(srv.url, srv.token, timeout=10.0, keep_alive=True)
+    try:
+        c.get("health")
+        first = c._local.conn.sock
+        assert c.get("health") == {"ok": True} and c._local.conn.sock is first  # reused
+        srv.stop()
+        srv = start_server(data, port)
+        assert c.get("health") == {"ok": True}  # the dead connection replaced once, transparently
+        assert c._local.conn.sock is not first
+    finally:
+        c.close()
+        srv.stop()

@@ -86,7 +86,9 @@ class Uplink:
         from aiprof.server.client import ServerClient
 
         self.agent = agent
-        self.client = ServerClient(str(cfg["url"]), cfg.get("token"), timeout=CALL_TIMEOUT_S)
+        # its calls (register, heartbeat, upload, result, stacks) may be repeated: each of its
+        # threads keeps its connection open between calls (server/client.py)
+        self.client = ServerClient(str(cfg["url"]), cfg.get("token"), timeout=CALL_TIMEOUT_S, keep_alive=True)
         self.out = os.path.abspath(cfg.get("out") or "aiprof-captures")
         env = dict(os.environ)
         if cfg.get("job"):

@@ -50,13 +50,11 @@ class AgentRoutes:
         rank = safe_rank(body.get("rank"))
         rec = {k: body.get(k) for k in ("ok", "error", "steps", "phase", "dir", "host", "pid")}
         rec["at"] = time.time()
-        check_rank(cid, self.ctx.data.capture_view(cid), rank)
-
-        def upd(st: dict) -> None:
-            st.setdefault("results", {})[str(rank)] = rec
-        if self.ctx.data.update_capture(cid, upd) is None:
+        check_rank(cid, self.ctx.data.capture_rank_set(cid)[1], rank)
+        # appended to the capture's results log, not a rewrite of its state (O(ranks) per result)
+        if await self.ctx.io(self.ctx.data.add_result, cid, rank, rec) is None:
             raise HTTPError(404, f"no capture {cid}")
-        self.queue.check_complete(cid)
+        self.queue.rank_result(cid, rank, rec)
         return JSONResponse({"ok": True})
 
     async def jobs(self, req: Request) -> Response:

@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from aiprof.server.context import ServiceContext
-from aiprof.server.store import read_json
+from aiprof.server.store import capture_ranks, read_json
 
 ANALYSIS_TIMEOUT_S = 1800
 PROGRESS_FILE = "progress.json"  # in the capture's report folder, written by `aiprof analyze --progress-file`
@@ -50,6 +50,9 @@ class AnalysisQueue:
         # their complete ranks, kept as meta.json files arrive: listing every rank's folder on each
         # arrival is quadratic (1,024 ranks: ~10^6 stats on the event loop)
         self.done_ranks: dict[str, set[int]] = {}
+        # the ranks each still waits for (expected, neither complete nor failed), once its ranks are
+        # known: every arrival and result takes one out, so checking completion is O(1), not O(ranks)
+        self.pending: dict[str, set[int]] = {}
         self.sem: asyncio.Semaphore | None = None
 
     def start(self) -> None:
@@ -70,7 +73,36 @@ class AnalysisQueue:
         """A rank's meta.json arrived (its upload is complete): note it, then check the capture."""
         if cid in self.done_ranks:
             self.done_ranks[cid].add(rank)
+        if cid in self.pending:
+            self.pending[cid].discard(rank)
         self.check_complete(cid)
+
+    def rank_result(self, cid: str, rank: int, rec: dict) -> None:
+        """A rank's result was recorded: a failure is one rank less to wait for; check the capture."""
+        pending = self.pending.get(cid)
+        if pending is not None:
+            if rec.get("ok") is False:
+                pending.discard(rank)
+            else:  # a later result that is not a failure: waited for again unless its files are in
+                self.pending.pop(cid)
+        self.check_complete(cid)
+
+    def _forget(self, cid: str) -> None:
+        self.active.discard(cid)
+        self.done_ranks.pop(cid, None)
+        self.pending.pop(cid, None)
+
+    def _pending(self, cid: str, st: dict) -> set[int] | None:
+        """The ranks ``cid`` still waits for; None while its ranks are not known (an implicit
+        capture before its first meta.json). Built once from the state, then kept."""
+        pending = self.pending.get(cid)
+        if pending is None:
+            ranks = capture_ranks(st)
+            if ranks is None:
+                return None
+            failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
+            pending = self.pending[cid] = set(ranks) - self._done(cid) - failed
+        return pending
 
     def _done(self, cid: str) -> set[int]:
         """The capture's complete ranks: listed from disk once (or after a restart), then kept."""
@@ -85,21 +117,27 @@ class AnalysisQueue:
         (or at the deadline, with what arrived); then the analysis starts if asked for."""
         st = self.data.capture_view(cid)  # read only: on every meta.json and result
         if not st or st.get("state") != "capturing":
-            self.active.discard(cid)
-            self.done_ranks.pop(cid, None)
+            self._forget(cid)
             return
-        done = set(self._done(cid))
-        failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
-        expected = st.get("expected")
-        metas: dict[int, dict] | None = None  # read only when needed: this runs on every meta.json upload
-        if expected is None:  # a capture the server did not trigger: its meta.json says who takes part
-            metas = self._metas(cid, done)
+        # O(1) on each arrival: the ranks still waited for are kept (a 1,024-rank capture made
+        # this O(ranks) per arrival, and an implicit one read every rank's meta.json per arrival)
+        pending = self._pending(cid, st)
+        metas: dict[int, dict] | None = None  # read only when needed
+        expected: list[int] | range | None = None
+        if pending is None:  # ranks not known: a capture the server did not trigger, its meta.json says
+            metas = self._metas(cid, self._done(cid))
             expected = implicit_ranks(metas)
-        complete = expected is not None and set(expected) <= done | failed
+            failed = {int(r) for r, res in (st.get("results") or {}).items() if res.get("ok") is False}
+            complete = expected is not None and set(expected) <= self._done(cid) | failed
+        else:
+            complete = not pending
         if not complete and time.time() < st.get("deadline", 0):
             return
+        done = set(self._done(cid))
         if metas is None:
             metas = self._metas(cid, done)
+        if pending is not None:
+            expected = capture_ranks(st)
 
         def upd(s: dict) -> None:
             if s.get("state") != "capturing":
@@ -115,8 +153,7 @@ class AnalysisQueue:
             steps = [tuple(v or ()) for v in s["steps_by_rank"].values()]
             s["aligned"] = bool(steps) and all(x == steps[0] for x in steps)
         st = self.data.update_capture(cid, upd)
-        self.active.discard(cid)
-        self.done_ranks.pop(cid, None)
+        self._forget(cid)
         if st and st.get("state") == "uploaded" and st.get("auto_analyze"):
             self.start_analysis(cid)
 

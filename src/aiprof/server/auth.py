@@ -116,11 +116,12 @@ class TokenAuth:
         if path in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        auth = headers.get("authorization", "")
-        if auth.startswith("Bearer ") and self._ok(auth[7:].strip()):
+        raw = scope.get("headers", [])
+        auth = next((v.decode("latin-1") for k, v in raw if k.lower() == b"authorization"), "")
+        if auth.startswith("Bearer ") and self._ok(auth[7:].strip()):  # every agent's call: no other header read
             await self.app(scope, receive, send)
             return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
         is_ui_get = scope.get("method") in ("GET", "HEAD") and not path.startswith("/api/v1/")
         if is_ui_get:
             from urllib.parse import parse_qs, urlencode

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -25,6 +26,10 @@ API = "/api/v1"
 TOKEN_HEADER = "Authorization"
 DEFAULT_TIMEOUT_S = 10.0
 UPLOAD_BLOCK = 1 << 20
+# keep_alive: a connection idle longer than this is not reused (the server keeps one 30 s)
+KEEP_ALIVE_IDLE_S = 10.0
+# the errors of a kept connection the server closed before reading the request
+STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 # capture ids, job ids, file names: what the server accepts (server/store.py) and the agent sends
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -85,9 +90,13 @@ class UploadResult:
 
 
 class ServerClient:
-    """One service endpoint plus its token. Thread-safe: every call opens its own connection."""
+    """One service endpoint plus its token. Thread-safe: every call opens its own connection, or
+    with ``keep_alive`` each thread keeps one open (HTTP/1.1 keep-alive) while it calls at least
+    every KEEP_ALIVE_IDLE_S: no TCP handshake and teardown per call, on either side (a third
+    of a heartbeat's cost). A kept connection the server has closed is replaced once, for a
+    request whose body can be sent again; use it for calls that may be repeated (an agent's)."""
 
-    def __init__(self, url: str, token: str | None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float = DEFAULT_TIMEOUT_S, keep_alive: bool = False) -> None:
         u = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
         if u.scheme not in ("http", "https"):
             raise ValueError(f"server URL must be http(s)://HOST:PORT, not {url!r}")
@@ -97,10 +106,36 @@ class ServerClient:
         self.base = f"{u.scheme}://{self.host}:{self.port}"
         self.token = token
         self.timeout = timeout
+        self.keep_alive = keep_alive
+        self._local = threading.local()  # keep_alive: each thread's open connection and when it was last used
 
     def _conn(self, timeout: float | None) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return cls(self.host, self.port, timeout=timeout or self.timeout, blocksize=1 << 16)
+
+    def _open(self, timeout: float | None) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection for one call, and whether it was used before (kept open by this thread)."""
+        if not self.keep_alive:
+            return self._conn(timeout), False
+        conn = getattr(self._local, "conn", None)
+        if (conn is not None and conn.sock is not None
+                and time.monotonic() - getattr(self._local, "used", float("-inf")) < KEEP_ALIVE_IDLE_S):
+            conn.timeout = timeout or self.timeout
+            conn.sock.settimeout(conn.timeout)
+            return conn, True
+        self._drop()
+        conn = self._local.conn = self._conn(timeout)
+        return conn, False
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        """Close this thread's kept connection (keep_alive), if any."""
+        self._drop()
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Accept": "application/json"}
@@ -120,16 +155,30 @@ class ServerClient:
         if body is not None:
             data = json.dumps(body, default=str).encode()
             hdr["Content-Type"] = "application/json"
-        conn = self._conn(timeout)
-        try:
-            conn.request(method, url, body=data, headers=hdr)
-            resp = conn.getresponse()
-            payload = resp.read(16 << 20)
-            status = resp.status
-        except (OSError, http.client.HTTPException) as exc:
-            raise ServerError(f"{self.base}: {type(exc).__name__}: {exc}") from None
-        finally:
-            conn.close()
+        while True:
+            conn, reused = self._open(timeout)
+            try:
+                conn.request(method, url, body=data, headers=hdr)
+                resp = conn.getresponse()
+                payload = resp.read(16 << 20)
+                status = resp.status
+            except (OSError, http.client.HTTPException) as exc:
+                if conn is getattr(self._local, "conn", None):
+                    self._drop()
+                else:
+                    conn.close()
+                # a kept connection the server closed meanwhile (restarted, at its connection cap;
+                # uvicorn closes only connections between requests): sent again once, on a new one
+                if reused and isinstance(exc, STALE) and (data is None or isinstance(data, bytes)):
+                    continue
+                raise ServerError(f"{self.base}: {type(exc).__name__}: {exc}") from None
+            if self.keep_alive and resp.isclosed() and not resp.will_close:
+                self._local.used = time.monotonic()  # read to its end: the next call of this thread reuses it
+            elif conn is getattr(self._local, "conn", None):
+                self._drop()
+            else:
+                conn.close()
+            break
         try:
             out = json.loads(payload) if payload else None
         except ValueError:
@@ -168,12 +217,19 @@ class ServerClient:
         sent = 0
         first_offset = -1
         last: Exception | None = None
+        # a file of at most one block is sent whole at once: the server checks what it holds of it
+        # with the PUT itself (one request, not two; a 409 says what it holds). A larger one, and
+        # any retry, asks first and resumes from there.
+        ask = size > UPLOAD_BLOCK
         for attempt in range(1, attempts + 1):
             try:
-                st = self.get(fpath, timeout=timeout)
-                if st.get("complete") and st.get("sha256") == digest:
-                    return UploadResult(name, size, digest, sent, attempt, max(first_offset, 0))
-                offset = int(st.get("received") or 0)
+                if ask or attempt > 1:
+                    st = self.get(fpath, timeout=timeout)
+                    if st.get("complete") and st.get("sha256") == digest:
+                        return UploadResult(name, size, digest, sent, attempt, max(first_offset, 0))
+                    offset = int(st.get("received") or 0)
+                else:
+                    offset = 0
                 if offset > size:
                     offset = 0
                 if first_offset < 0:
@@ -193,6 +249,11 @@ class ServerClient:
                 last = exc
                 if exc.status is not None and exc.status in (400, 401, 403, 404, 413):
                     raise  # retrying cannot help
+                if (exc.status == 409 and isinstance(exc.body, dict) and "received" in exc.body
+                        and not exc.body.get("busy")):
+                    if not ask and attempt == 1:
+                        first_offset = -1  # that PUT sent from 0 without asking: where it resumes is told next
+                    continue  # the server holds other bytes than we sent from: ask it, resume at once
             except OSError as exc:  # the local file vanished or cannot be read
                 raise ServerError(f"cannot read {path}: {exc}") from None
             time.sleep(min(backoff_s * (2 ** (attempt - 1)), 10.0))

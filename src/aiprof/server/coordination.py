@@ -7,9 +7,11 @@ answered or the snapshot's timeout passed.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
+from dataclasses import dataclass, field
 
 import anyio
 from starlette.requests import Request
@@ -18,11 +20,38 @@ from starlette.responses import JSONResponse, Response
 from aiprof.protocol import CaptureRequest
 from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.context import ServiceContext
-from aiprof.server.jsonapi import HTTPError, read_json_body
+from aiprof.server.jsonapi import HTTPError, read_json_body, read_json_body_sized
 from aiprof.server.registry import AgentInfo, new_id, plan_start, plan_start_time
 from aiprof.server.store import STATE, read_json, safe_name, safe_rank, write_json
 
 MAX_STACKS_JSON = 8 << 20
+# Ranks' stacks kept in memory while their snapshot collects, over all snapshots (bytes of JSON;
+# a rank's is ~2-50 kB): the snapshot is assembled from memory, the rest read back from their files.
+HANG_KEEP_BYTES = 32 << 20
+
+
+@dataclass
+class Collecting:
+    """A snapshot while its ranks' stacks arrive: each arrival is O(1), nothing is listed."""
+
+    state: dict  # as written when it was triggered (never modified: it is rewritten at assembly)
+    have: set[int]  # the ranks whose stacks arrived
+    expected: frozenset[int] = frozenset()
+    pending: set[int] = field(default_factory=set)  # expected, not arrived yet
+    procs: dict[int, dict] = field(default_factory=dict)  # stacks kept in memory (HANG_KEEP_BYTES)
+    kept: dict[int, int] = field(default_factory=dict)  # their sizes
+    first: float | None = None  # wall-clock time of the first and the last arrival
+    last: float | None = None
+
+    def __post_init__(self) -> None:
+        self.expected = frozenset(int(r) for r in self.state.get("expected") or ())
+        self.pending = set(self.expected) - self.have
+
+    def arrived(self, rank: int, now: float) -> None:
+        self.have.add(rank)
+        self.pending.discard(rank)
+        self.first = now if self.first is None else self.first
+        self.last = now
 
 
 class JobCoordination:
@@ -34,11 +63,13 @@ class JobCoordination:
         self.registry = ctx.registry
         self.queue = queue
         self.active_hang: set[str] = set()  # snapshots still collecting
-        # a collecting snapshot's state and the ranks whose stacks arrived, kept as they arrive:
-        # reading the state and listing the folder on each arrival is quadratic (1,024 ranks:
-        # ~500 k folder entries read on the event loop)
-        self.hang_states: dict[str, dict] = {}
-        self.hang_have: dict[str, set[int]] = {}
+        # a collecting snapshot as its ranks arrive (Collecting): its state, the ranks still
+        # awaited and the stacks themselves, so an arrival is O(1) and the snapshot is assembled
+        # from memory. Reading the state and listing the folder on each arrival was quadratic
+        # (1,024 ranks: ~500 k folder entries read on the event loop).
+        self.collecting: dict[str, Collecting] = {}
+        self.hang_kept = 0  # bytes of stacks kept in memory over all snapshots (HANG_KEEP_BYTES)
+        self.analyses: set[asyncio.Task] = set()  # snapshots being analysed (referenced until done)
 
     def start(self) -> None:
         """At server start: snapshots a restart interrupted are analysed with what arrived."""
@@ -108,7 +139,7 @@ class JobCoordination:
               "expected": sorted(a.rank for a in agents), "state": "collecting"}
         write_json(os.path.join(self.data.hang_dir(sid), STATE), st)
         self.active_hang.add(sid)
-        self.hang_states[sid], self.hang_have[sid] = st, set()
+        self.collecting[sid] = Collecting(st, set())
         self.registry.send(agents, {"op": "stacks", "snapshot_id": sid})
         return JSONResponse({"snapshot_id": sid, "ranks": st["expected"],
                              "status": self.ctx.url(req, f"/api/v1/hang/{sid}")})
@@ -117,72 +148,95 @@ class JobCoordination:
         sid = safe_name(req.path_params["sid"], "snapshot id")
         rank = safe_rank(req.path_params["rank"])
         d = self.data.hang_dir(sid)
-        st = self._hang_state(sid)
+        c = self._collecting(sid)
+        st = c.state if c is not None else read_json(os.path.join(d, STATE))  # not collecting: a late arrival
         if st is None:
             raise HTTPError(404, f"no snapshot {sid}")
-        if rank not in st.get("expected", [rank]):
+        expected = c.expected if c is not None else set(st.get("expected", [rank]))
+        if rank not in expected:
             raise HTTPError(400, f"rank {rank} is not part of snapshot {sid} (its ranks: "
-                                 f"{', '.join(map(str, st['expected'])) or 'none'})")
-        body = await read_json_body(req, MAX_STACKS_JSON)
+                                 f"{', '.join(map(str, sorted(expected))) or 'none'})")
+        body, nbytes = await read_json_body_sized(req, MAX_STACKS_JSON)
         body["rank"] = rank
-        await anyio.to_thread.run_sync(write_json, os.path.join(d, f"rank{rank}.json"), body)
-        if sid in self.hang_have:
-            self.hang_have[sid].add(rank)
-        await self._check_hang(sid)
+        await self.ctx.io(write_json, os.path.join(d, f"rank{rank}.json"), body)
+        c = self.collecting.get(sid)  # still collecting after the write (the deadline may have passed)
+        if c is not None and c.state.get("state") == "collecting":
+            c.arrived(rank, time.time())
+            self.hang_kept -= c.kept.pop(rank, 0)  # a rank that sent twice: its last stacks count
+            c.procs.pop(rank, None)
+            if self.hang_kept + nbytes <= HANG_KEEP_BYTES:
+                c.procs[rank] = body  # assembled from memory; past the budget, read back from its file
+                c.kept[rank] = nbytes
+                self.hang_kept += nbytes
+            if not c.pending:
+                self._assemble(sid)  # the last rank: analysed on its own task, this answer does not wait
         return JSONResponse({"ok": True})
 
-    def _hang_state(self, sid: str) -> dict | None:
-        """A snapshot's state: kept in memory while it collects, else read from its folder."""
-        st = self.hang_states.get(sid)
-        if st is None:
-            st = read_json(os.path.join(self.data.hang_dir(sid), STATE))
-            if st is not None and st.get("state") == "collecting" and sid in self.active_hang:
-                self.hang_states[sid] = st  # after a restart: read once
-        return st
-
-    def _hang_ranks(self, sid: str) -> set[int]:
-        """The ranks whose stacks arrived: listed from the folder once (or after a restart), then kept."""
-        have = self.hang_have.get(sid)
-        if have is None:
+    def _collecting(self, sid: str) -> Collecting | None:
+        """A collecting snapshot's record; after a restart rebuilt once from its folder."""
+        c = self.collecting.get(sid)
+        if c is None and sid in self.active_hang:
             d = self.data.hang_dir(sid)
-            have = self.hang_have[sid] = {int(m.group(1)) for f in os.listdir(d)
-                                          if (m := re.fullmatch(r"rank(\d+)\.json", f))}
-        return have
+            st = read_json(os.path.join(d, STATE))
+            if st is None or st.get("state") != "collecting":
+                self.active_hang.discard(sid)
+                return None
+            have = {int(m.group(1)) for f in os.listdir(d) if (m := re.fullmatch(r"rank(\d+)\.json", f))}
+            c = self.collecting[sid] = Collecting(st, have)
+        return c
 
-    def _forget_hang(self, sid: str) -> None:
-        self.active_hang.discard(sid)
-        self.hang_states.pop(sid, None)
-        self.hang_have.pop(sid, None)
+    def _release(self, c: Collecting) -> dict[int, dict]:
+        """The stacks ``c`` kept in memory, handed over (and their budget freed)."""
+        procs = c.procs
+        self.hang_kept -= sum(c.kept.values())
+        c.procs, c.kept = {}, {}
+        return procs
 
     async def _check_hang(self, sid: str) -> None:
-        d = self.data.hang_dir(sid)
-        st = self._hang_state(sid)
-        if not st or st.get("state") != "collecting" or sid not in self.active_hang:
-            self._forget_hang(sid)
+        """On each tick: a snapshot past its deadline (or complete) is assembled with what arrived."""
+        c = self._collecting(sid)
+        if c is None:
+            self.active_hang.discard(sid)
             return
-        have = set(self._hang_ranks(sid))
-        if not set(st["expected"]) <= have and time.time() < st["deadline"]:
+        if c.pending and time.time() < c.state["deadline"]:
             return
-        st = {**st, "state": "analysing"}
-        write_json(os.path.join(d, STATE), st)
-        self._forget_hang(sid)
+        self._assemble(sid)
 
-        def analyse() -> dict:
+    def _assemble(self, sid: str) -> None:
+        """Stop collecting ``sid`` and analyse it on a task of its own (state "analysing" at once)."""
+        c = self.collecting.pop(sid)
+        self.active_hang.discard(sid)
+        st = {**c.state, "state": "analysing"}
+        procs = self._release(c)
+        have = set(c.have)
+        task = asyncio.get_running_loop().create_task(self._analyse(sid, st, have, procs, c))
+        self.analyses.add(task)
+        task.add_done_callback(self.analyses.discard)
+
+    async def _analyse(self, sid: str, st: dict, have: set[int], kept: dict[int, dict], c: Collecting) -> None:
+        d = self.data.hang_dir(sid)
+        t0 = time.time()
+
+        def analyse() -> dict:  # off the event loop: the stacks not kept in memory are read back
             from aiprof.analysis.hang import analyse as hang_analyse, format_text
 
-            procs = [read_json(os.path.join(d, f"rank{r}.json")) for r in sorted(have)]  # off the event loop
+            write_json(os.path.join(d, STATE), st)
+            procs = [kept.get(r) or read_json(os.path.join(d, f"rank{r}.json")) for r in sorted(have)]
             res = hang_analyse([p for p in procs if p])
             res["missing_ranks"] = sorted(set(st["expected"]) - have)
             res["text"] = format_text(res)
+            write_json(os.path.join(d, "hang.json"), res)
             return res
 
         try:
-            res = await anyio.to_thread.run_sync(analyse)
-            write_json(os.path.join(d, "hang.json"), res)
+            await anyio.to_thread.run_sync(analyse)
             st["state"] = "analysed"
         except Exception as exc:
             st.update(state="failed", error=f"{type(exc).__name__}: {exc}")
-        write_json(os.path.join(d, STATE), st)
+        # how it went: first and last arrival, and the assembly after the last (or the deadline)
+        st["timing"] = {"first_arrival": c.first, "last_arrival": c.last, "assembled_s": round(time.time() - t0, 4),
+                        "kept_in_memory": len(kept), "read_back": len(have) - len(kept)}
+        await self.ctx.io(write_json, os.path.join(d, STATE), st)
 
     async def hang_status(self, req: Request) -> Response:
         d = self.data.hang_dir(req.path_params["sid"])

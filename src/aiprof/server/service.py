@@ -90,12 +90,15 @@ class Service:
         """The API and HTML routes (``/captures/<cid>/...`` is dispatched before them, see create_service)."""
         v1 = "/api/v1"
         a, c, u, j = self.agents, self.captures, self.uploads, self.coordination
-        table = [
+        table = [  # the agents' calls first: every request is matched against the routes in turn
+            (f"{v1}/agents/{{aid}}/heartbeat", a.heartbeat, ["POST"]),
+            (f"{v1}/captures/{{cid}}/ranks/{{rank}}/files/{{name}}", u.put_file, ["PUT"]),
+            (f"{v1}/captures/{{cid}}/ranks/{{rank}}/files/{{name}}", u.file_status, ["GET"]),
+            (f"{v1}/agents/{{aid}}/results", a.result, ["POST"]),
+            (f"{v1}/hang/{{sid}}/ranks/{{rank}}", j.hang_upload, ["POST"]),
+            (f"{v1}/agents", a.register, ["POST"]),
             (f"{v1}/health", c.health, None),
             (f"{v1}/info", c.info, None),
-            (f"{v1}/agents", a.register, ["POST"]),
-            (f"{v1}/agents/{{aid}}/heartbeat", a.heartbeat, ["POST"]),
-            (f"{v1}/agents/{{aid}}/results", a.result, ["POST"]),
             (f"{v1}/jobs", a.jobs, None),
             (f"{v1}/jobs/{{job}}/captures", j.trigger_capture, ["POST"]),
             (f"{v1}/jobs/{{job}}/hang", j.trigger_hang, ["POST"]),
@@ -103,10 +106,7 @@ class Service:
             (f"{v1}/captures/{{cid}}", c.capture, None),
             (f"{v1}/captures/{{cid}}/analyze", c.analyze, ["POST"]),
             (f"{v1}/captures/{{cid}}/report", c.report, None),
-            (f"{v1}/captures/{{cid}}/ranks/{{rank}}/files/{{name}}", u.file_status, ["GET"]),
-            (f"{v1}/captures/{{cid}}/ranks/{{rank}}/files/{{name}}", u.put_file, ["PUT"]),
             (f"{v1}/hang/{{sid}}", j.hang_status, None),
-            (f"{v1}/hang/{{sid}}/ranks/{{rank}}", j.hang_upload, ["POST"]),
             ("/", self.pages.index, None),
         ]
         return [Route(p, json_endpoint(fn), methods=m) for p, fn, m in table] + \

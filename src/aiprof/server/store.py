@@ -34,6 +34,9 @@ STATE = ".state.json"
 # Captures whose parsed state is kept (DataDir.capture_view): those uploading now, a few at a time.
 VIEWS_KEPT = 32
 PART_DIR = ".uploads"
+# Agents' results, one JSON line each, appended beside the state (DataDir.add_result): rewriting a
+# 1,024-rank state (up to ~190 kB) on each of 1,024 results took a quarter of the event loop's time
+RESULTS_LOG = ".results.jsonl"
 
 
 class BadName(ValueError):
@@ -78,6 +81,21 @@ def write_json(path: str, obj: Any) -> None:
         raise
 
 
+def capture_ranks(st: dict[str, Any]) -> list[int] | range | None:
+    """The ranks a capture may receive files for, from its state; None when not known yet.
+
+    A capture the server triggered expects the ranks its job had then; one an agent took by
+    itself names its world size (or, taken by one rank alone, that rank) with its first upload.
+    """
+    if st.get("expected") is not None:
+        return [int(r) for r in st["expected"]]
+    if st.get("solo_rank") is not None:
+        return [int(st["solo_rank"])]
+    if st.get("world_size") is not None:
+        return range(int(st["world_size"]))
+    return None
+
+
 def read_json(path: str) -> Any:
     """JSON from ``path``, or None if missing or unreadable."""
     try:
@@ -99,6 +117,9 @@ class DataDir:
         # captures' states as last read (capture_view): every upload and result reads its
         # capture's state, ~150 kB of JSON at 1,024 ranks; re-read only after save_capture
         self._views: dict[str, dict] = {}
+        self._view_paths: dict[str, str] = {}  # their state files' paths
+        # capture_rank_set: the ranks of a kept view, as a set (a view, its ranks), checked on every upload
+        self._rank_sets: dict[str, tuple[dict, Any]] = {}
 
     def _inside(self, *parts: str) -> str:
         p = os.path.realpath(os.path.join(self.root, *parts))
@@ -127,30 +148,95 @@ class DataDir:
                       reverse=True)
 
     def load_capture(self, cid: str) -> dict | None:
-        return read_json(os.path.join(self.capture_dir(cid), STATE))
+        """The capture's state as stored: its state file with the results logged since folded in
+        (a copy of one's own)."""
+        d = self.capture_dir(cid)
+        st = read_json(os.path.join(d, STATE))
+        if not isinstance(st, dict):
+            return None
+        try:
+            with open(os.path.join(d, RESULTS_LOG), "rb") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return st
+        except OSError:
+            return st
+        results = st.setdefault("results", {})
+        for line in lines:  # in arrival order: a rank's last result wins
+            try:
+                rec = json.loads(line)
+                results[str(int(rec.pop("rank")))] = rec
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue  # a line a crash cut short
+        return st
+
+    def add_result(self, cid: str, rank: int, rec: dict) -> dict | None:
+        """Record an agent's result for ``rank``: one line appended to the capture's results log
+        (the state file is rewritten only when the capture's state changes, results folded in),
+        and the kept view updated. None when there is no such capture."""
+        line = (json.dumps({**rec, "rank": rank}, default=str, separators=(",", ":")) + "\n").encode()
+        with self.lock:
+            st = self.capture_view(cid)
+            if st is None:
+                return None
+            fd = os.open(os.path.join(self.capture_dir(cid), RESULTS_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line)  # one write of a short line: whole or (a crash) cut, never interleaved
+            finally:
+                os.close(fd)
+            st.setdefault("results", {})[str(rank)] = rec
+            return st
 
     def capture_view(self, cid: str) -> dict | None:
         """The capture's state, parsed once per write (this process is its only writer, through
         save_capture): for the paths that only read it, on every upload and result. Shared:
         never modify it (load_capture gives a copy of one's own)."""
-        path = os.path.join(self.capture_dir(cid), STATE)
         with self.lock:
-            st = self._views.get(cid)
-            if st is not None and os.path.isfile(path):
-                return st
-            st = read_json(path)
-            if not isinstance(st, dict):
+            kept = self._views.get(cid)
+            if kept is not None and os.path.isfile(self._view_paths.get(cid, "")):
+                return kept  # still there: one stat, the path checked (realpath) when it was read
+            path = os.path.join(self.capture_dir(cid), STATE)
+            st = self.load_capture(cid)
+            if st is None:
                 self._views.pop(cid, None)
                 return None
             if len(self._views) >= VIEWS_KEPT:  # the oldest read first (dicts keep insertion order)
                 self._views.pop(next(iter(self._views)))
             self._views[cid] = st
+            self._view_paths = {k: v for k, v in self._view_paths.items() if k in self._views}
+            self._view_paths[cid] = path
             return st
 
+    def capture_rank_set(self, cid: str) -> tuple[dict | None, Any]:
+        """The capture's kept view (capture_view) and the ranks it may receive files for, as a
+        set or range (None: not known yet), built once per view: every upload and result asks."""
+        with self.lock:
+            st = self.capture_view(cid)
+            if st is None:
+                return None, None
+            got = self._rank_sets.get(cid)
+            if got is not None and got[0] is st:
+                return st, got[1]
+            ranks = capture_ranks(st)
+            ranks = frozenset(ranks) if isinstance(ranks, list) else ranks
+            if len(self._rank_sets) >= 2 * VIEWS_KEPT:  # bounded: only kept views' sets stay
+                self._rank_sets = {k: v for k, v in self._rank_sets.items() if self._views.get(k) is v[0]}
+            self._rank_sets[cid] = (st, ranks)
+            return st, ranks
+
     def save_capture(self, cid: str, state: dict) -> None:
+        """Write the capture's whole state (``state`` holds every result: it came from
+        load_capture, capture_view or update_capture, or is new), then drop the results log it
+        folded in. A crash in between leaves the log beside a state that has its lines already:
+        folding them in again changes nothing."""
         with self.lock:
             self._views.pop(cid, None)
-            write_json(os.path.join(self.capture_dir(cid), STATE), state)
+            d = self.capture_dir(cid)
+            write_json(os.path.join(d, STATE), state)
+            try:
+                os.unlink(os.path.join(d, RESULTS_LOG))
+            except FileNotFoundError:
+                pass
 
     def update_capture(self, cid: str, fn: Any) -> dict | None:
         """Read-modify-write a capture's state under the lock; ``fn(state)`` edits in place. The
@@ -162,9 +248,11 @@ class DataDir:
                 st = self.load_capture(cid)
             if st is None:
                 return None
+            self._rank_sets.pop(cid, None)  # fn may change the ranks (an implicit capture learns them)
             fn(st)
             self.save_capture(cid, st)
             self._views[cid] = st  # what is on disk now
+            self._view_paths[cid] = os.path.join(self.capture_dir(cid), STATE)
             return st
 
     def uploaded_ranks(self, cid: str) -> dict[int, list[str]]:

@@ -11,51 +11,49 @@ serialised; a rank that is not part of the capture is refused (400) before any b
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
 import time
-from typing import Any
+from typing import Any, Container
 
 import anyio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from aiprof.server.analysis_queue import AnalysisQueue
-from aiprof.server.client import file_sha256
 from aiprof.server.context import ServiceContext
-from aiprof.server.jsonapi import BODY_IDLE_TIMEOUT_S, BodyTimeout, HTTPError, body_chunks
-from aiprof.server.store import MAX_RANK, read_json, safe_name, safe_rank, write_json
+from aiprof.server.jsonapi import BODY_IDLE_TIMEOUT_S, BodyTimeout, HTTPError, body_chunks, within
+from aiprof.server.store import MAX_RANK, capture_ranks, read_json, safe_name, safe_rank
+
+__all__ = ["UploadRoutes", "capture_ranks", "check_rank"]
 
 MAX_FILES_PER_RANK = 16
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # fsync the part this often: a crash re-sends at most this much, and 200 MB cost ~25 fsyncs
 DURABLE_EVERY = 8 << 20
+# A body's bytes are written on a worker thread once this many have arrived (and at its end):
+# a file of at most this size (the client's block) takes one call.
+WRITE_BATCH = 1 << 20
+# Bytes received and not written yet, over all uploads: past it an upload writes what it holds
+# at once and reads no more of its body until there is room (its client waits: TCP flow
+# control), so the memory held stays bounded with thousands of uploads at a time (1,024 ranks'
+# 256 kB files, read whole before their writes, held 195 MiB without this wait). An upload that
+# finds no room for ROOM_WAIT_S (the disk stalled) keeps what arrived and is answered 503.
+WRITE_BUDGET = 64 << 20
+ROOM_WAIT_S = 30.0
 # Longest wait for another upload of the same file to finish. Longer than BODY_IDLE_TIMEOUT_S,
 # so a stalled holder is cut off (its bytes kept) before a resuming client gives up.
 LOCK_WAIT_S = 2 * BODY_IDLE_TIMEOUT_S
 
 
-def capture_ranks(st: dict[str, Any]) -> list[int] | range | None:
-    """The ranks a capture may receive files for, from its state; None when not known yet.
-
-    A capture the server triggered expects the ranks its job had then; one an agent took by
-    itself names its world size (or, taken by one rank alone, that rank) with its first upload.
-    """
-    if st.get("expected") is not None:
-        return [int(r) for r in st["expected"]]
-    if st.get("solo_rank") is not None:
-        return [int(st["solo_rank"])]
-    if st.get("world_size") is not None:
-        return range(int(st["world_size"]))
-    return None
-
-
-def check_rank(cid: str, st: dict[str, Any] | None, rank: int) -> None:
-    """HTTPError 400 when ``rank`` is not part of capture ``cid`` (nothing known: accepted)."""
-    ranks = capture_ranks(st or {})
+def check_rank(cid: str, ranks: Container[int] | None, rank: int) -> None:
+    """HTTPError 400 when ``rank`` is not among ``ranks``, the ranks of capture ``cid``
+    (DataDir.capture_rank_set; None: not known yet, anything accepted)."""
     if ranks is None or rank in ranks:
         return
+    ranks = ranks if isinstance(ranks, range) else sorted(ranks)
     shown = f"0-{len(ranks) - 1}" if isinstance(ranks, range) and len(ranks) > 1 else ", ".join(map(str, ranks))
     raise HTTPError(400, f"rank {rank} is not part of capture {cid} (its ranks: {shown or 'none'})")
 
@@ -81,6 +79,15 @@ def _fsync_dir(d: str) -> None:
         os.close(fd)
 
 
+def write_record(path: str, obj: Any) -> None:
+    """A small JSON record written atomically under a fixed temporary name (the caller holds the
+    file's upload lock: no other writer of it), without tempfile's random names."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj, separators=(",", ":")))
+    os.replace(tmp, path)
+
+
 def make_durable(f: Any, marker: str, received: int, size: int, sha: str) -> None:
     """fsync the open part ``f``, then record ``received`` as its durable length (fsync'd rename)."""
     f.flush()
@@ -102,26 +109,40 @@ class UploadRoutes:
         self.data = ctx.data
         self.queue = queue
         self.file_locks: dict[tuple, asyncio.Lock] = {}
+        self.buffered = 0  # body bytes received and not written yet, over all uploads (WRITE_BUDGET)
+        self.room = asyncio.Event()  # set while self.buffered is within WRITE_BUDGET
+        self.room.set()
 
-    def _durable(self, cid: str, rank: int, name: str) -> dict[str, Any]:
+    def _paths(self, cid: str, rank: int, name: str) -> tuple[str, str]:
+        """The file's final path and its part's, each checked to lie in DATA (once per request)."""
+        return self.data.file_path(cid, rank, name), self.data.part_path(cid, rank, name)
+
+    @staticmethod
+    def _durable(part: str) -> dict[str, Any]:
         """The part's durable record: bytes fsync'd, and the size and sha256 they belong to."""
-        rec = read_json(self.data.part_path(cid, rank, name)[:-len(".part")] + ".durable")
+        rec = read_json(part[:-len(".part")] + ".durable")
         return rec if isinstance(rec, dict) and isinstance(rec.get("bytes"), int) else {"bytes": 0}
 
     def _file_status(self, cid: str, rank: int, name: str) -> dict:
-        final = self.data.file_path(cid, rank, name)
+        return self._status(*self._paths(cid, rank, name))[0]
+
+    def _status(self, final: str, part: str) -> tuple[dict, dict | None]:
+        """The file's status, and the part's durable record when it is not complete."""
         if os.path.isfile(final):
-            sha = read_json(self.data.part_path(cid, rank, name)[:-len(".part")] + ".sha256.json") or {}
-            return {"complete": True, "received": os.path.getsize(final), "sha256": sha.get("sha256")}
-        part = self.data.part_path(cid, rank, name)
-        held = os.path.getsize(part) if os.path.isfile(part) else 0
-        return {"complete": False, "received": min(held, self._durable(cid, rank, name)["bytes"])}
+            sha = read_json(part[:-len(".part")] + ".sha256.json") or {}
+            return {"complete": True, "received": os.path.getsize(final), "sha256": sha.get("sha256")}, None
+        try:
+            held = os.path.getsize(part)
+        except OSError:
+            return {"complete": False, "received": 0}, {"bytes": 0}
+        durable = self._durable(part)
+        return {"complete": False, "received": min(held, durable["bytes"])}, durable
 
     async def file_status(self, req: Request) -> Response:
         p = req.path_params
         cid, rank, name = safe_name(p["cid"], "capture id"), safe_rank(p["rank"]), safe_name(p["name"], "file name")
-        check_rank(cid, self.data.capture_view(cid), rank)
-        return JSONResponse(await anyio.to_thread.run_sync(self._file_status, cid, rank, name))
+        check_rank(cid, self.data.capture_rank_set(cid)[1], rank)
+        return JSONResponse(await self.ctx.io(self._file_status, cid, rank, name))
 
     async def put_file(self, req: Request) -> Response:
         p, q = req.path_params, req.query_params
@@ -144,7 +165,7 @@ class UploadRoutes:
         lock = self.file_locks.setdefault(key, asyncio.Lock())
         try:
             try:  # the holder is cut off after BODY_IDLE_TIMEOUT_S without data: this wait ends first
-                await asyncio.wait_for(lock.acquire(), LOCK_WAIT_S)
+                await within(lock.acquire(), LOCK_WAIT_S)
             except asyncio.TimeoutError:
                 raise HTTPError(409, f"another upload of {name} of rank {rank} is in progress; retry later",
                                 busy=True) from None
@@ -158,57 +179,90 @@ class UploadRoutes:
 
     async def _receive(self, req: Request, cid: str, rank: int, name: str, offset: int, size: int, sha: str,
                        world: int | None) -> Response:
-        state = self.data.capture_view(cid)
-        check_rank(cid, state, rank)
+        state, ranks = self.data.capture_rank_set(cid)
+        check_rank(cid, ranks, rank)
         q = req.query_params
-        # the file work before the body (stat, read the records, create the capture, open the part)
-        # and after it (fsync, hash, rename) runs on a worker thread: on the event loop, 2,048 small
-        # files of a 1,024-rank capture held every other request back (docs/server.md, "Measured")
-        opened = await anyio.to_thread.run_sync(self._open_part, cid, rank, name, offset, size, sha, q.get("job"),
-                                                world, q.get("scope"))
-        if isinstance(opened, dict):  # complete already, with this checksum
-            return JSONResponse(opened)
-        f, created = opened
-        if created:
-            self.queue.active.add(cid)
-        part = self.data.part_path(cid, rank, name)
-        marker = part[:-len(".part")] + ".durable"
+        # Every file operation runs on a worker thread, in as few calls as the body allows: the
+        # body is gathered up to WRITE_BATCH, then one call opens the part (checking the file's
+        # status, creating the capture) and writes and hashes the batch; the last call also
+        # fsyncs, and for a complete file puts it in place. A small file is one call. On the
+        # event loop, 2,048 small files of a 1,024-rank capture held every other request back
+        # (docs/server.md, "Measured"), and a write to a slow disk blocks once its dirty pages
+        # pile up.
+        p = _Part(self, cid, rank, name, offset, size, sha, q.get("job"), world, q.get("scope"))
         received = offset
-        over = stalled = False
+        over = stalled = busy = False
         synced = offset
+        buf = bytearray()
+
+        async def flush(durable: bool) -> None:
+            nonlocal buf, synced
+            data, buf = buf, bytearray()
+            try:
+                await self.ctx.io(p.write, data, received if durable else None)
+            finally:
+                self._written(len(data))
+            if durable:
+                synced = received
+
+        chunks = body_chunks(req)
         try:
-            async for chunk in body_chunks(req):
+            while True:
+                # past the budget, no more of the body is taken in until writes make room
+                if received < size and not await self._room():
+                    busy = True  # the disk is far behind: keep what arrived, the client resumes later
+                    break
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
                 if received + len(chunk) > size:
                     over = True
                     break
                 view = memoryview(chunk)
                 while view:  # sync points at multiples of DURABLE_EVERY, wherever chunks end
                     piece = view[:DURABLE_EVERY - received % DURABLE_EVERY]
-                    f.write(piece)
+                    buf += piece
+                    self.buffered += len(piece)
+                    self.ctx.stats["upload_buffered_peak"] = max(self.ctx.stats.get("upload_buffered_peak", 0),
+                                                                 self.buffered)
                     received += len(piece)
                     view = view[len(piece):]
                     if received % DURABLE_EVERY == 0:
-                        await anyio.to_thread.run_sync(make_durable, f, marker, received, size, sha)
-                        synced = received
+                        await flush(True)
+                    elif received < size and (len(buf) >= WRITE_BATCH or self.buffered > WRITE_BUDGET):
+                        await flush(False)
+                    if p.already is not None:  # complete already with this checksum: the rest is not needed
+                        return JSONResponse(p.already)
         except ClientDisconnect:  # keep what arrived: the client resumes from it
             pass
         except BodyTimeout:  # a stalled client: keep what arrived, free the file for a resumed upload
             stalled = True
         finally:
-            # off the event loop (three fsyncs: ~10-40 ms that would stall every other request), shielded:
-            # also when cancelled; a complete file is hashed and put in place in the same call
-            with anyio.CancelScope(shield=True):
-                done = await anyio.to_thread.run_sync(self._close_part, f, cid, rank, name, marker,
-                                                      received if not over and received > synced else None,
-                                                      size, sha, not over and not stalled and received == size)
+            await chunks.aclose()  # its idle timer ends here
+            # shielded: also when cancelled (what arrived is kept)
+            try:
+                with anyio.CancelScope(shield=True):
+                    done = await self.ctx.io(
+                        p.finish, buf, received if not over and received > synced else None,
+                        not over and not stalled and received == size, over)
+            finally:
+                self._written(len(buf))
+                if p.created:
+                    self.queue.active.add(cid)
+        if p.already is not None:
+            return JSONResponse(p.already)
         if over:
-            self._drop_part(part, marker)
             raise HTTPError(413, f"more bytes than the declared size {size}")
+        if busy:
+            raise HTTPError(503, f"the server is behind writing uploads to disk; {received} bytes kept, resume "
+                                 "from there later", received=received, busy=True)
         if stalled:
             raise HTTPError(408, f"no data for {BODY_IDLE_TIMEOUT_S:g} s; {received} bytes kept, resume from there",
                             received=received)
         if received < size:
             return JSONResponse({"complete": False, "received": received})
+        assert done is not None
         digest, n = done
         if digest != sha or n != size:
             self.ctx.stats["checksum_mismatch"] += 1
@@ -216,25 +270,42 @@ class UploadRoutes:
         self.ctx.stats["uploads"] += 1
         self.ctx.stats["upload_bytes"] += n
         if name == "meta.json":
-            if state is None or capture_ranks(state) is None:  # else nothing to learn: no state rewrite
+            if ranks is None:  # else nothing to learn: no state rewrite
                 self._learn_ranks(cid, rank)
             self.queue.rank_complete(cid, rank)
         return JSONResponse({"complete": True, "received": n, "sha256": digest})
 
+    def _written(self, n: int) -> None:
+        """``n`` buffered bytes are written (or dropped): room for others when within the budget."""
+        self.buffered -= n
+        if self.buffered <= WRITE_BUDGET:
+            self.room.set()
+
+    async def _room(self) -> bool:
+        """Wait until the bytes waiting to be written are within WRITE_BUDGET (False: not within
+        ROOM_WAIT_S)."""
+        try:
+            while self.buffered > WRITE_BUDGET:
+                self.room.clear()
+                await within(self.room.wait(), ROOM_WAIT_S)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     def _open_part(self, cid: str, rank: int, name: str, offset: int, size: int, sha: str, job: str | None,
-                   world: int | None, scope: str | None) -> dict | tuple[Any, bool]:
+                   world: int | None, scope: str | None) -> dict | tuple[Any, bool, str, str]:
         """On a worker thread, before the body: the file's status (a dict when it is complete with
         this checksum: nothing to receive); else the capture (created when the server did not
-        trigger it: True) and the part, open for appending at ``offset``. HTTPError when the
-        upload cannot go on."""
-        st = self._file_status(cid, rank, name)
+        trigger it: True), the part, open for appending at ``offset``, and the final and part
+        paths. HTTPError when the upload cannot go on."""
+        final, part = self._paths(cid, rank, name)
+        st, durable = self._status(final, part)
         if st["complete"]:
             if st.get("sha256") == sha:
                 return st
             raise HTTPError(409, f"{name} of rank {rank} is already complete with another checksum")
-        part = self.data.part_path(cid, rank, name)
+        assert durable is not None
         marker = part[:-len(".part")] + ".durable"
-        durable = self._durable(cid, rank, name)
         if st["received"] and (durable.get("sha256"), durable.get("size")) != (sha, size):
             self._drop_part(part, marker)  # the partial copy is of another file: start it over
             raise HTTPError(409, f"the {st['received']} bytes held of {name} belong to another file; "
@@ -242,11 +313,13 @@ class UploadRoutes:
         if offset != st["received"]:
             raise HTTPError(409, f"offset {offset} does not match the {st['received']} bytes held", received=st["received"])
         created = self._ensure_capture(cid, job, rank, world, scope)
-        rdir = self.data.rank_dir(cid, rank)
-        if not os.path.isdir(rdir) or name not in os.listdir(rdir):
-            existing = [f for f in (os.listdir(rdir) if os.path.isdir(rdir) else []) if not f.startswith(".")]
-            if len(existing) >= MAX_FILES_PER_RANK:
-                raise HTTPError(413, f"rank {rank} already has {len(existing)} files")
+        rdir = os.path.dirname(final)
+        try:
+            existing = [f for f in os.listdir(rdir) if not f.startswith(".")]
+        except FileNotFoundError:
+            existing = []
+        if name not in existing and len(existing) >= MAX_FILES_PER_RANK:
+            raise HTTPError(413, f"rank {rank} already has {len(existing)} files")
         os.makedirs(os.path.dirname(part), exist_ok=True)
         f = open(part, "ab")
         try:
@@ -254,29 +327,7 @@ class UploadRoutes:
         except BaseException:
             f.close()
             raise
-        return f, created
-
-    def _close_part(self, f: Any, cid: str, rank: int, name: str, marker: str, sync: int | None, size: int,
-                    sha: str, complete: bool) -> tuple[str, int] | None:
-        """On a worker thread, after the body: fsync the part and record ``sync`` bytes as durable
-        (None: nothing new to record); when ``complete``, hash it and put it in place if the
-        SHA-256 matches (else drop it). The part's digest and size when hashed."""
-        try:
-            if sync is not None:
-                make_durable(f, marker, sync, size, sha)
-        finally:
-            f.close()
-        if not complete:
-            return None
-        part = f.name
-        digest, n = file_sha256(part)
-        if digest != sha or n != size:
-            self._drop_part(part, marker)
-            return digest, n
-        write_json(part[:-len(".part")] + ".sha256.json", {"sha256": digest, "size": n})
-        os.replace(part, self.data.file_path(cid, rank, name))
-        self._drop_part(part, marker)
-        return digest, n
+        return f, created, final, part
 
     def _learn_ranks(self, cid: str, rank: int) -> None:
         """A capture whose ranks are not known yet (an older uploader) takes them from its first meta.json."""
@@ -315,3 +366,97 @@ class UploadRoutes:
                                              "state": "capturing", "source": "agent"})
                 return True
         return False
+
+
+class _Part:
+    """One upload's part file, used from worker threads only (one call at a time): opened with
+    the first bytes to write, hashed as they are written, put in place when complete."""
+
+    def __init__(self, routes: UploadRoutes, cid: str, rank: int, name: str, offset: int, size: int, sha: str,
+                 job: str | None, world: int | None, scope: str | None) -> None:
+        self.routes = routes
+        self.args = (cid, rank, name, offset, size, sha, job, world, scope)
+        self.size, self.sha = size, sha
+        self.f: Any = None
+        self.final = self.part = self.marker = ""
+        self.hasher: Any = None
+        self.length = offset  # the part's length: what it held plus what was written since
+        self.created = False  # the capture was created by this upload (the server did not trigger it)
+        self.already: dict | None = None  # the file is complete already, with this checksum
+        self.failed = False  # opening it was refused (HTTPError): nothing more to do
+
+    def _open(self) -> bool:
+        """Open the part once (False: complete already or refused; nothing to write)."""
+        if self.f is not None:
+            return True
+        if self.already is not None or self.failed:
+            return False
+        try:
+            opened = self.routes._open_part(*self.args)
+        except BaseException:
+            self.failed = True
+            raise
+        if isinstance(opened, dict):
+            self.already = opened
+            return False
+        self.f, self.created, self.final, self.part = opened
+        self.marker = self.part[:-len(".part")] + ".durable"
+        self.hasher = hashlib.sha256()
+        offset = self.args[3]
+        if offset:  # a resumed upload: the bytes held count in the checksum (read back once)
+            with open(self.part, "rb") as f:
+                left = offset
+                while left:
+                    b = f.read(min(left, 1 << 20))
+                    if not b:
+                        break
+                    self.hasher.update(b)
+                    left -= len(b)
+        return True
+
+    def write(self, data: bytes, durable: int | None = None) -> None:
+        """Append ``data`` (hashed as it is written); ``durable``: then make that many bytes durable."""
+        if not self._open():
+            return
+        self.f.write(data)
+        self.hasher.update(data)
+        self.length += len(data)
+        if durable is not None:
+            make_durable(self.f, self.marker, durable, self.size, self.sha)
+
+    def finish(self, tail: bytes, sync: int | None, complete: bool, over: bool) -> tuple[str, int] | None:
+        """After the body: write ``tail``; fsync and record ``sync`` bytes as durable (None: nothing
+        new to record); when ``complete``, put the file in place if its SHA-256 matches (else drop
+        the part); ``over`` (more bytes than declared): drop the part. The digest and size when
+        complete."""
+        if over:
+            if self.f is not None:
+                self.f.close()
+                UploadRoutes._drop_part(self.part, self.marker)
+            return None
+        if not self._open():  # also for a body that brought nothing: the file's status is checked
+            return None
+        try:
+            self.f.write(tail)
+            self.hasher.update(tail)
+            self.length += len(tail)
+            if complete:  # its data on disk before the rename makes it visible; no durable record needed:
+                self.f.flush()  # after a crash either the file is in place, whole, or the part is resent
+                os.fsync(self.f.fileno())
+            elif sync is not None:
+                make_durable(self.f, self.marker, sync, self.size, self.sha)
+        finally:
+            self.f.close()
+        if not complete:
+            return None
+        digest, n = self.hasher.hexdigest(), self.length
+        if digest != self.sha or n != self.size:
+            UploadRoutes._drop_part(self.part, self.marker)
+            return digest, n
+        write_record(self.part[:-len(".part")] + ".sha256.json", {"sha256": digest, "size": n})
+        os.replace(self.part, self.final)
+        try:
+            os.unlink(self.marker)  # of an earlier attempt that was cut off
+        except FileNotFoundError:
+            pass
+        return digest, n
