@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from capsupport import PY, aiprof, env_with, load_meta, load_trace, rank_dirs, stop, torch_loaded, wait_for
 
+from aiprof.diagnosis.model import MIN_REPORTED_SHARE
 from aiprof.native.engine import frida_status
 from tests.deps import need
 
@@ -88,9 +89,14 @@ def test_syscalls_name_the_read_and_the_cause_uses_them(captured):
     nat = report["ranks"][0]["native"]
     assert nat["symbols"][0]["name"] == "nat_add" and nat["symbols"][0]["calls"] == 5 * ITERS
     assert any(s["name"] == "read" and s["cls"] == "io" for s in nat["syscalls"])
-    codes = [c["code"] for c in report["causes"]]
-    assert "SYSCALL_BLOCKED" in codes, codes
-    cause = next(c for c in report["causes"] if c["code"] == "SYSCALL_BLOCKED")
+    # the blocked read is inside load_batch, which DATALOADER_STARVED may also claim: priced
+    # together, whichever saves more alone comes first and the other adds what is left (on a
+    # loaded machine either order is seen), so the cause is found with its own saving, listed
+    # or under "minor" (docs/findings.md, Pricing)
+    found = [c for c in report["causes"] + report["minor"] if c["code"] == "SYSCALL_BLOCKED"]
+    assert found, [c["code"] for c in report["causes"]]
+    cause = found[0]
+    assert cause["saving"].get("alone_share", cause["saving"]["share"]) >= MIN_REPORTED_SHARE
     assert "read()" in cause["title"] and "pipe:" in cause["title"]
     assert cause["evidence"]["class"] == "io" and cause["place"]["site"].endswith("load_batch")
 
