@@ -286,17 +286,27 @@ class UploadRoutes:
         return JSONResponse({"complete": True, "received": n, "sha256": digest})
 
     def _written(self, n: int) -> None:
-        """``n`` buffered bytes are written (or dropped): the uploads waiting are let in, in order,
-        as far as the room goes (one wake-up each, not every waiter on every write)."""
+        """``n`` buffered bytes are written (or dropped): room for the uploads waiting."""
         self.buffered -= n
-        while self.waiters and self.buffered + (self.admitting + 1) * READ_MAX <= WRITE_BUDGET:
-            fut = self.waiters.popleft()
-            if not fut.done():  # not given up meanwhile
-                fut.set_result(None)
-                self.admitting += 1
+        self._admit()
+
+    def _admit(self) -> None:
+        """Let the uploads waiting in, in order, as far as the room goes (one wake-up each, not
+        every waiter on every write); those that gave up are dropped from the line."""
+        while self.waiters:
+            fut = self.waiters[0]
+            if fut.done():
+                self.waiters.popleft()
+                continue
+            if self.buffered + (self.admitting + 1) * READ_MAX > WRITE_BUDGET:
+                return
+            self.waiters.popleft()
+            fut.set_result(None)
+            self.admitting += 1
 
     def _has_room(self) -> bool:
         """Room for another piece within WRITE_BUDGET, and no upload waiting for it before."""
+        self._admit()
         return not self.waiters and self.buffered + (self.admitting + 1) * READ_MAX <= WRITE_BUDGET
 
     async def _room(self) -> bool:
@@ -306,6 +316,7 @@ class UploadRoutes:
             return True
         fut = asyncio.get_running_loop().create_future()
         self.waiters.append(fut)
+        self._admit()  # room may have come since (no write need end for it): let in at once
         try:
             await within(fut, ROOM_WAIT_S)
             return True
@@ -313,9 +324,10 @@ class UploadRoutes:
             return False
         finally:
             if fut.done() and not fut.cancelled():
-                self.admitting -= 1  # let in: its piece now counts in self.buffered
+                self.admitting -= 1  # let in: what it takes from here on counts in self.buffered
             else:
                 fut.cancel()  # given up (timed out, or the request cancelled): skipped when its turn comes
+            self._admit()  # its place in line (or its share of the room) is free for the next
 
     def _open_part(self, cid: str, rank: int, name: str, offset: int, size: int, sha: str, job: str | None,
                    world: int | None, scope: str | None) -> dict | tuple[Any, bool, str, str]:
