@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 import threading
 import time
 
@@ -169,7 +170,8 @@ def test_bytes_waiting_for_the_disk_stay_within_the_budget(app, monkeypatch):
     c, svc = app
     cid = c.post("/api/v1/jobs/j/captures", json={"request": {"iterations": 1}, "auto_analyze": False}).json()["capture_id"]
     size = 200_000
-    monkeypatch.setattr(upload_routes, "WRITE_BUDGET", 256 << 10)  # room for one body, not for two more
+    budget = 2 * upload_routes.READ_MAX  # room for two bodies (a piece of a body counts as a full read)
+    monkeypatch.setattr(upload_routes, "WRITE_BUDGET", budget)
     monkeypatch.setattr(upload_routes, "ROOM_WAIT_S", 2.0)
     entered, release = threading.Semaphore(0), threading.Event()
     real_fsync = os.fsync
@@ -197,7 +199,7 @@ def test_bytes_waiting_for_the_disk_stay_within_the_budget(app, monkeypatch):
             time.sleep(0.05)  # polling a condition, with a deadline
         refused = sorted(answers)
         assert all(answers[r].status_code == 503 and answers[r].json()["busy"] for r in refused), answers
-        assert svc.ctx.stats["upload_buffered_peak"] <= (256 << 10) + size
+        assert svc.ctx.stats["upload_buffered_peak"] <= budget
         assert not entered.acquire(blocking=False)  # no third upload reached the disk
     finally:
         release.set()
@@ -209,3 +211,59 @@ def test_bytes_waiting_for_the_disk_stay_within_the_budget(app, monkeypatch):
             answers[r] = c.put(f"/api/v1/captures/{cid}/ranks/{r}/files/trace.json.gz", params=q, content=bodies[r])
         assert answers[r].json()["complete"], answers[r].text
         assert open(svc.ctx.data.file_path(cid, r, "trace.json.gz"), "rb").read() == bodies[r]
+
+
+@pytest.fixture
+def live(tmp_path):
+    """The real app served by uvicorn on a real socket in this process (its constants can be patched)."""
+    import uvicorn
+
+    app, svc = create_service(str(tmp_path / "data"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + SETTLE_S
+    while not server.started:
+        assert t.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)  # polling a condition, with a deadline
+    yield svc, server.servers[0].sockets[0].getsockname()[1]
+    server.should_exit = True
+    t.join(SETTLE_S)
+
+
+def test_uploads_holding_bytes_do_not_wait_for_each_other(live, monkeypatch):
+    """Two uploads hold half their bodies each, the budget full, others waiting: before waiting for
+    room for their second halves they write what they hold, so all of them complete (else they
+    wait for each other until ROOM_WAIT_S, and all are answered 503)."""
+    svc, port = live
+    monkeypatch.setattr(upload_routes, "WRITE_BUDGET", 2 * upload_routes.READ_MAX)
+    monkeypatch.setattr(upload_routes, "ROOM_WAIT_S", 10.0)
+    half = 150_000
+    bodies = [os.urandom(2 * half) for _ in range(4)]
+    socks = []
+    try:
+        for r, body in enumerate(bodies):
+            s = socket.create_connection(("127.0.0.1", port), timeout=SETTLE_S)
+            q = f"offset=0&size={len(body)}&sha256={hashlib.sha256(body).hexdigest()}&job=j&world_size=4"
+            s.sendall(f"PUT /api/v1/captures/cap/ranks/{r}/files/trace.json.gz?{q} HTTP/1.1\r\nHost: x\r\n"
+                      f"Authorization: Bearer {svc.token}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:half])
+            socks.append(s)
+        # the four halves (600 kB) are more than the budget (512 kiB): they are all taken in only
+        # if the uploads holding bytes write them instead of waiting with them
+        deadline = time.monotonic() + SETTLE_S
+        while svc.ctx.stats.get("upload_bytes_received", 0) < len(bodies) * half:
+            assert time.monotonic() < deadline, f"the first halves were not all taken in: {svc.ctx.stats}"
+            time.sleep(0.02)  # polling a condition, with a deadline
+        for s, body in zip(socks, bodies):
+            s.sendall(body[half:])
+        for r, s in enumerate(socks):
+            head = b""
+            while b"\r\n\r\n" not in head:
+                got = s.recv(65536)
+                assert got, f"upload {r}: connection closed without an answer"
+                head += got
+            assert head.startswith(b"HTTP/1.1 200"), head[:300]
+            assert open(svc.ctx.data.file_path("cap", r, "trace.json.gz"), "rb").read() == bodies[r]
+    finally:
+        for s in socks:
+            s.close()

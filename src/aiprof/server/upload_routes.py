@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+from collections import deque
 from typing import Any, Container
 
 import anyio
@@ -43,6 +44,7 @@ WRITE_BATCH = 1 << 20
 # finds no room for ROOM_WAIT_S (the disk stalled) keeps what arrived and is answered 503.
 WRITE_BUDGET = 64 << 20
 ROOM_WAIT_S = 30.0
+READ_MAX = 256 << 10  # the most one piece of a body can be (asyncio reads a socket 256 KiB at a time)
 # Longest wait for another upload of the same file to finish. Longer than BODY_IDLE_TIMEOUT_S,
 # so a stalled holder is cut off (its bytes kept) before a resuming client gives up.
 LOCK_WAIT_S = 2 * BODY_IDLE_TIMEOUT_S
@@ -110,8 +112,10 @@ class UploadRoutes:
         self.queue = queue
         self.file_locks: dict[tuple, asyncio.Lock] = {}
         self.buffered = 0  # body bytes received and not written yet, over all uploads (WRITE_BUDGET)
-        self.room = asyncio.Event()  # set while self.buffered is within WRITE_BUDGET
-        self.room.set()
+        # uploads waiting for room (WRITE_BUDGET), first come first served, and those let in that
+        # have not taken their next piece yet (each counted as a full read, READ_MAX)
+        self.waiters: deque[asyncio.Future] = deque()
+        self.admitting = 0
 
     def _paths(self, cid: str, rank: int, name: str) -> tuple[str, str]:
         """The file's final path and its part's, each checked to lie in DATA (once per request)."""
@@ -208,10 +212,15 @@ class UploadRoutes:
         chunks = body_chunks(req)
         try:
             while True:
-                # past the budget, no more of the body is taken in until writes make room
-                if received < size and not await self._room():
-                    busy = True  # the disk is far behind: keep what arrived, the client resumes later
-                    break
+                # past the budget, no more of the body is taken in until writes make room; an
+                # upload writes what it holds before it waits (else uploads holding the budget
+                # and waiting for it would wait for each other)
+                if received < size and not self._has_room():
+                    if buf:
+                        await flush(False)
+                    if not await self._room():
+                        busy = True  # the disk is far behind: keep what arrived, the client resumes later
+                        break
                 try:
                     chunk = await chunks.__anext__()
                 except StopAsyncIteration:
@@ -224,6 +233,7 @@ class UploadRoutes:
                     piece = view[:DURABLE_EVERY - received % DURABLE_EVERY]
                     buf += piece
                     self.buffered += len(piece)
+                    self.ctx.stats["upload_bytes_received"] = self.ctx.stats.get("upload_bytes_received", 0) + len(piece)
                     self.ctx.stats["upload_buffered_peak"] = max(self.ctx.stats.get("upload_buffered_peak", 0),
                                                                  self.buffered)
                     received += len(piece)
@@ -276,21 +286,48 @@ class UploadRoutes:
         return JSONResponse({"complete": True, "received": n, "sha256": digest})
 
     def _written(self, n: int) -> None:
-        """``n`` buffered bytes are written (or dropped): room for others when within the budget."""
+        """``n`` buffered bytes are written (or dropped): room for the uploads waiting."""
         self.buffered -= n
-        if self.buffered <= WRITE_BUDGET:
-            self.room.set()
+        self._admit()
+
+    def _admit(self) -> None:
+        """Let the uploads waiting in, in order, as far as the room goes (one wake-up each, not
+        every waiter on every write); those that gave up are dropped from the line."""
+        while self.waiters:
+            fut = self.waiters[0]
+            if fut.done():
+                self.waiters.popleft()
+                continue
+            if self.buffered + (self.admitting + 1) * READ_MAX > WRITE_BUDGET:
+                return
+            self.waiters.popleft()
+            fut.set_result(None)
+            self.admitting += 1
+
+    def _has_room(self) -> bool:
+        """Room for another piece within WRITE_BUDGET, and no upload waiting for it before."""
+        self._admit()
+        return not self.waiters and self.buffered + (self.admitting + 1) * READ_MAX <= WRITE_BUDGET
 
     async def _room(self) -> bool:
-        """Wait until the bytes waiting to be written are within WRITE_BUDGET (False: not within
-        ROOM_WAIT_S)."""
+        """Wait until there is room for another piece within WRITE_BUDGET, behind the uploads
+        already waiting (False: none within ROOM_WAIT_S)."""
+        if self._has_room():
+            return True
+        fut = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        self._admit()  # room may have come since (no write need end for it): let in at once
         try:
-            while self.buffered > WRITE_BUDGET:
-                self.room.clear()
-                await within(self.room.wait(), ROOM_WAIT_S)
+            await within(fut, ROOM_WAIT_S)
+            return True
         except asyncio.TimeoutError:
             return False
-        return True
+        finally:
+            if fut.done() and not fut.cancelled():
+                self.admitting -= 1  # let in: what it takes from here on counts in self.buffered
+            else:
+                fut.cancel()  # given up (timed out, or the request cancelled): skipped when its turn comes
+            self._admit()  # its place in line (or its share of the room) is free for the next
 
     def _open_part(self, cid: str, rank: int, name: str, offset: int, size: int, sha: str, job: str | None,
                    world: int | None, scope: str | None) -> dict | tuple[Any, bool, str, str]:
