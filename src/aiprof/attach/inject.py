@@ -39,6 +39,10 @@ SCRIPT = """\
 # written by aiprof attach; runs on the target's main thread
 import json as _json, os as _os, sys as _sys
 _cfg = _json.loads({cfg!r})
+try:  # the main thread runs Python again: the CLI now waits for the agent's start, not for this
+    open(_cfg["status_path"] + ".begun", "w").close()
+except Exception:
+    pass
 try:
     if "aiprof.agent.bootstrap" not in _sys.modules:
         _sys.path.insert(0, _cfg["lib"])
@@ -225,6 +229,7 @@ def wait_until_not_importing(pid: int, timeout: float = 30.0) -> bool:
 
 
 INJECT_TIMEOUT_S = 30.0
+AGENT_START_TIMEOUT_S = 60.0  # once the injected script runs: imports and the agent's start, on a loaded host
 # System call classes (native.syscalls) in which a thread waits idle, holding no libc lock: the
 # injected dlopen can run on such a thread. Best first.
 _IDLE_CLASSES = ("poll", "sleep", "lock")
@@ -370,6 +375,8 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
         else:
             _inject_gdb(info, so, shutil.which("gdb") or "gdb")
         deadline = time.monotonic() + timeout
+        begun_path = status_path + ".begun"
+        begun = False
         while time.monotonic() < deadline:
             if os.path.exists(status_path):
                 started = True
@@ -380,7 +387,16 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
                 return InjectResult(info.pid, m, status)
             if not os.path.exists(f"/proc/{info.pid}"):
                 raise AttachError(f"{info.label} exited during attach")
+            if not begun and os.path.exists(begun_path):
+                # the script runs: what is left is the agent's imports and start, which take
+                # longer than `timeout` on a loaded host (an attach test failed so in CI)
+                begun = True
+                deadline = max(deadline, time.monotonic() + AGENT_START_TIMEOUT_S)
             time.sleep(0.05)
+        if begun:
+            started = True
+            raise AttachError(f"{info.label}: the agent began to start but did not finish within "
+                              f"{AGENT_START_TIMEOUT_S:.0f} s (a loaded host, or torch still importing?)")
         raise AttachError(f"{info.label}: the agent did not start within {timeout:.0f} s: its main thread ran no "
                           "Python code (blocked in a C call or sleeping?)")
     except AttachError:
@@ -388,7 +404,7 @@ def inject_agent(info: ProcessInfo, rt: str, agent_rt: str | None = None, entry:
         raise
     finally:
         # a script not yet run stays: the pending call may still run it later
-        for p in ((so, py, status_path) if started else (so,)):
+        for p in ((so, py, status_path, status_path + ".begun") if started else (so,)):
             try:
                 os.unlink(p)
             except OSError:

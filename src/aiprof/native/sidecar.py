@@ -38,7 +38,9 @@ MAX_KEPT_RECORDS = 1_000_000  # 104 MB: a capture window keeps at most this many
 BACKLOG_RECORDS = 100_000  # kept before "start" arrives: calls between the agent's start and ours
 PYSPY_STOP_TIMEOUT_S = 15.0  # py-spy writes its samples on SIGINT; bounded wait for it
 PYSPY_DEFAULT_RATE = 100  # Hz: each --native sample pauses the job's threads to unwind them
-PYSPY_READY_TIMEOUT_S = 60.0  # py-spy --native reads the symbols of every native library first
+PYSPY_READY_TIMEOUT_S = 20.0  # py-spy --native reads the unwind tables of every library before its
+# first sample (seconds on a loaded host); below the agent's 30 s for the whole set-up, Frida's included
+TRACE_POLL_S = 0.001  # a --native sample stops the job for milliseconds: polled finer than that
 
 
 def _send(obj: dict[str, Any]) -> None:
@@ -67,6 +69,7 @@ class Sidecar:
         self.pyspy_out = ""
         self.pyspy_started_ns = 0
         self.pyspy_err = ""
+        self.pyspy_first_sample_s: float | None = None  # how long after "Sampling process" it came
         self.next_scan = 0.0
         self.thread_names: dict[int, str] = {}
 
@@ -100,6 +103,7 @@ class Sidecar:
             # when the capture starts (its samples then cover the armed iterations too)
             self._start_pyspy()
             ready["native_stacks"] = self.pyspy is not None
+            ready["native_first_sample_s"] = self.pyspy_first_sample_s
         ready["notes"] = list(self.notes)
         return ready
 
@@ -194,7 +198,11 @@ class Sidecar:
             self.notes.append(f"native stacks not sampled: py-spy: {exc}")
             self.pyspy = None
             return
-        # py-spy prints "Sampling process ..." on stdout once it samples; wait for it (bounded)
+        # py-spy prints "Sampling process ..." before its first sample, which, with --native, loads
+        # the unwind tables of every library first: on a loaded host that sample came 1-8 s after
+        # the line (measured on 2 busy cores), so the capture started before any stack was taken
+        # and the native flame held only the export thread. Wait for the line, then for the
+        # first sample itself (blocking mode: py-spy's ptrace stops of the job).
         import threading
 
         seen = threading.Event()
@@ -206,8 +214,15 @@ class Sidecar:
             seen.set()  # py-spy exited: no reason to wait longer
 
         threading.Thread(target=watch, args=(self.pyspy.stdout,), daemon=True).start()
+        deadline = time.monotonic() + PYSPY_READY_TIMEOUT_S
         if not seen.wait(PYSPY_READY_TIMEOUT_S):
             self.notes.append(f"py-spy did not start sampling in {PYSPY_READY_TIMEOUT_S:.0f} s")
+        elif "--nonblocking" not in cmd and self.pyspy.poll() is None:
+            took = first_sample_taken(self.pid, self.pyspy.pid, deadline)
+            self.pyspy_first_sample_s = None if took is None else round(took, 3)
+            if took is None:
+                self.notes.append(f"py-spy took no native sample within {PYSPY_READY_TIMEOUT_S:.0f} s: "
+                                  "the first steps of the capture may have none")
         self.pyspy_started_ns = time.time_ns()
 
     def _stop_pyspy(self) -> str | None:
@@ -301,6 +316,53 @@ class Sidecar:
                 pass
         if self.engine is not None:
             self.engine.close()
+
+
+def _tracer(pid: int) -> int:
+    """The thread id that ptrace-stops ``pid``'s main thread now (0: none, or ``pid`` is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("TracerPid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _tgid(tid: int) -> int:
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+SAMPLER_STOPS = 2  # py-spy stops the job once to set up (~25 ms), then once per sample
+
+
+def first_sample_taken(pid: int, sampler_pid: int, deadline: float) -> float | None:
+    """Wait until threads of ``sampler_pid`` (py-spy in blocking mode) have ptrace-stopped
+    ``pid`` and let it go SAMPLER_STOPS times: its set-up and its first sample are done. A stop
+    shorter than the poll may be missed; a later one counts. Returns the seconds waited, or None
+    at ``deadline`` (time.monotonic) or when ``pid`` is gone."""
+    t0 = time.monotonic()
+    stopped, ended = False, 0
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return None
+        tracer = _tracer(pid)
+        if tracer and (stopped or _tgid(tracer) == sampler_pid):
+            stopped = True
+        elif stopped:
+            stopped, ended = False, ended + 1
+            if ended >= SAMPLER_STOPS:
+                return time.monotonic() - t0
+        time.sleep(TRACE_POLL_S)
+    return None
 
 
 CALLS_FILE = "calls.csv"
