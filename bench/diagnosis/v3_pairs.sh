@@ -108,26 +108,35 @@ fi
 if [ "$PHASE" != single ]; then
 say "4-rank jobs"
 TR="torchrun --standalone --nproc-per-node ${NPROC:-4}"
-# MULTI: the jobs timed (alternating, ROUNDS rounds) and captured, CASE:VARIANT each
+# MULTI: the jobs timed (alternating, ROUNDS rounds) and captured, CASE:VARIANT each, or
+# CASE:VARIANT@B with B sequences per rank for that job alone (its ids get a _bB suffix)
 read -r -a MS <<< "${MULTI:-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
-# TIMED: the ones of MULTI that are timed (default: all); BATCH: sequences per rank (48: GPU-bound)
+# TIMED: the ones timed (default: all of MULTI); BATCH: sequences per rank (48: GPU-bound)
 read -r -a TS <<< "${TIMED:-${MS[*]}}"
-B=${BATCH:+--batch $BATCH}
-for r in $(seq 1 "$ROUNDS"); do
-  for spec in "${TS[@]}"; do
-    c=${spec%%:*} v=${spec##*:}
-    timeout 150 $TR $JOB --case "$c" --variant "$v" --steps 20 $B --times $K/times/$c-$v-$r.json \
-      > $K/times/$c-$v-$r.log 2>&1 || { echo "FAILED timing $c $v $r"; tail -n 5 $K/times/$c-$v-$r.log; }
-    say "$c $v round $r: $(ms_of $K/times/$c-$v-$r.json) ms/step"
+# spec CASE:VARIANT[@B] -> c, v, b (the batch flags) and id (the capture's and timings' name)
+parse() { c=${1%%:*}; local r=${1#*:}; v=${r%%@*}; id=${c}_$v; b=${BATCH:+--batch $BATCH}
+  if [ "$r" != "$v" ]; then b="--batch ${r#*@}"; id=${id}_b${r#*@}; fi; }
+timings() {
+  for r in $(seq 1 "$ROUNDS"); do
+    for spec in "${TS[@]}"; do
+      parse "$spec"
+      timeout 150 $TR $JOB --case "$c" --variant "$v" --steps 20 $b --times $K/times/$id-$r.json \
+        > $K/times/$id-$r.log 2>&1 || { echo "FAILED timing $id $r"; tail -n 5 $K/times/$id-$r.log; }
+      say "$id round $r: $(ms_of $K/times/$id-$r.json) ms/step"
+    done
   done
-done
-for spec in "${MS[@]}"; do
-  c=${spec%%:*} v=${spec##*:}
-  cap "${c}_$v" "${NPROC:-4}" $K/caps/${c}_$v.log python3 -m aiprof run --skip 10 --iterations 3 \
-    --what kernels,python,shapes --out $K/caps --capture-id "${c}_$v" -- $TR $JOB --case "$c" --variant "$v" --steps 6 $B
-  (cd $K && pack caps-${c}_$v caps/${c}_$v caps/${c}_$v.log $(ls times/$c-$v-* 2>/dev/null))
-  say "captured ${c}_$v: $(tail -n 1 $K/caps/${c}_$v.log)"
-done
+}
+captures() {
+  for spec in "${MS[@]}"; do
+    parse "$spec"
+    cap "$id" "${NPROC:-4}" $K/caps/$id.log python3 -m aiprof run --skip 10 --iterations 3 \
+      --what kernels,python,shapes --out $K/caps --capture-id "$id" -- $TR $JOB --case "$c" --variant "$v" --steps 6 $b
+    (cd $K && pack caps-$id caps/$id caps/$id.log $(ls times/$id-* 2>/dev/null))
+    say "captured $id: $(tail -n 1 $K/caps/$id.log)"
+  done
+}
+# CAPTURE_FIRST=1: the captures before the timings (a call cut off at its limit keeps them)
+if [ "${CAPTURE_FIRST:-0}" = 1 ]; then captures; timings; else timings; captures; fi
 fi
 
 echo "== times (one JSON line per timed run)"
