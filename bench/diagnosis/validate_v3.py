@@ -40,6 +40,8 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     "fileread_fix": ("fix", "", None, ("HOST_PREPROCESSING",)),
     "launch_fix": ("fix", "", None, ()),
     "ddp_uneven_fix": ("healthy", "", None, ("STRAGGLER",)),
+    # FSDP2 at 192 sequences per rank: GPU-bound (at 48 it is host-bound: 4x the batch, 1.8x the time)
+    "fsdp_healthy": ("healthy", "", None, ()),
 }
 
 
