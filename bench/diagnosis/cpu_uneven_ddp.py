@@ -15,7 +15,6 @@ rank with the longer sequences arrives last at every all-reduce and the others w
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -23,39 +22,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-VOCAB = 2048
+# the same GPT-2-style model as the GPU pairs (this script's folder is on sys.path)
+from v3_job import GPT
+
+VOCAB = 2048  # smaller than the GPU pairs' model: two ranks share 2 cores
 D = 128
 LAYERS = 1
 HEADS = 4
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, max_seq: int) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, D)
-        self.pos = nn.Parameter(torch.zeros(max_seq, D))
-        self.blocks = nn.ModuleList(Block(D, HEADS) for _ in range(LAYERS))
-        self.ln = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx) + self.pos[: idx.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
 
 
 def main() -> None:
@@ -70,7 +43,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DDP(TinyLM(2 * a.seq))
+    model = DDP(GPT(vocab=VOCAB, d=D, layers=LAYERS, heads=HEADS, seq=2 * a.seq))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     n_seq = 2 * a.seq if rank == a.long_rank else a.seq
     g = torch.Generator().manual_seed(rank)
