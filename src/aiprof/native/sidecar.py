@@ -318,23 +318,12 @@ class Sidecar:
             self.engine.close()
 
 
-def _tracer(pid: int) -> int:
-    """The thread id that ptrace-stops ``pid``'s main thread now (0: none, or ``pid`` is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("TracerPid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def _tgid(tid: int) -> int:
+def _status_field(tid: int, field: str) -> int:
+    """An integer field of /proc/TID/status (``TracerPid``, ``Tgid``); 0 when it cannot be read."""
     try:
         with open(f"/proc/{tid}/status") as f:
             for line in f:
-                if line.startswith("Tgid:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1])
     except (OSError, ValueError):
         pass
@@ -354,8 +343,8 @@ def first_sample_taken(pid: int, sampler_pid: int, deadline: float) -> float | N
     while time.monotonic() < deadline:
         if not os.path.exists(f"/proc/{pid}"):
             return None
-        tracer = _tracer(pid)
-        if tracer and (stopped or _tgid(tracer) == sampler_pid):
+        tracer = _status_field(pid, "TracerPid")  # the thread that ptrace-stops the job now
+        if tracer and (stopped or _status_field(tracer, "Tgid") == sampler_pid):
             stopped = True
         elif stopped:
             stopped, ended = False, ended + 1
