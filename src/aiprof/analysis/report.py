@@ -12,13 +12,21 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from aiprof import npx
-from aiprof.analysis.comm import CommAnalysis
 from aiprof.analysis.breakdown import StepBreakdown, step_breakdown
-from aiprof.analysis.comm import comm_analysis
+from aiprof.analysis.comm import CommAnalysis, comm_analysis
+from aiprof.analysis.counters import CounterAnalysis, counter_analysis
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.flops import flops_analysis
-from aiprof.analysis.hotspots import HOST_CLASSES, Gaps, HostTree, gpu_busy, gpu_gaps, has_gpu, host_tree, hotspots
-from aiprof.analysis.counters import CounterAnalysis, counter_analysis
+from aiprof.analysis.hotspots import (
+    HOST_CLASSES,
+    Gaps,
+    HostTree,
+    gpu_busy,
+    gpu_gaps,
+    has_gpu,
+    host_tree,
+    hotspots,
+)
 from aiprof.analysis.kernels import (
     KernelAnalysis,
     KernelStat,
@@ -28,6 +36,7 @@ from aiprof.analysis.kernels import (
 )
 from aiprof.analysis.memory import memory_from_trace
 from aiprof.analysis.native import native_dict
+from aiprof.analysis.roofline import roofline
 from aiprof.analysis.runtime import RuntimeAnalysis, runtime_analysis
 from aiprof.analysis.serving import ServingAnalysis, serving_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
@@ -68,6 +77,7 @@ class RankReport:
     serving: dict | None = None  # analysis.serving.ServingAnalysis: inference traces of a language model
     counters: dict | None = None  # analysis.counters.CounterAnalysis: GPU PM counters per family/collective
     native: dict | None = None  # analysis.native.NativeAnalysis: library calls, NCCL joins, syscalls
+    roofline: dict | None = None  # analysis.roofline.Roofline: work vs time per kernel family (GPU ranks)
 
 
 def _device(rt: RankTrace, gpu: bool) -> dict:
@@ -166,6 +176,7 @@ def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15) -> tupl
         step_within=steps.within, serving=asdict(sv) if sv else None,
         counters=asdict(hwc) if hwc else None,
         native=native_dict(rt, *( (int(steps.start.min()), int(steps.end.max())) if len(steps) else (None, None))),
+        roofline=asdict(roofline(rt)) if gpu else None,
     )
     return rep, RankAnalyses(steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes, sv, hwc)
 

@@ -130,6 +130,25 @@ def _counters_table(rank: dict) -> Table | None:
     return t
 
 
+def _roofline_table(rank: dict) -> Table | None:
+    """Kernel families on the roofline (analysis.roofline): work from the ops' shapes vs time."""
+    r = rank.get("roofline")
+    if not r or not r.get("families"):
+        return None
+    t = Table(title=(f"Roofline by kernel family (work from the ops' input shapes; {r['covered_pct']:.0f}% of compute "
+                     f"time covered; HBM {r['dram_gbps']:.0f} GB/s; docs/metrics.md)"),
+              title_justify="left", show_edge=False)
+    for col in ("family", "ops", "calls", "ms", "FLOP/B", "TFLOP/s", "GB/s", "roof", "% of roof", "bound"):
+        t.add_column(col, justify="left" if col in ("family", "ops", "roof", "bound") else "right")
+    for f in r["families"][:12]:
+        roof = "HBM" if f["side"] == "memory" else f["compute_peak"].replace("tensor cores", "TC").replace(" CUDA cores", "")
+        t.add_row(_short(f["family"].removeprefix("at::native::"), 40),
+                  _short(", ".join(o.removeprefix("aten::") for o in f["ops"][:2]), 28), str(f["calls"]), _ms(f["gpu_us"]),
+                  f"{f['intensity']:.2f}" if f["intensity"] < 10 else f"{f['intensity']:.0f}", f"{f['tflops_per_s']:.1f}",
+                  f"{f['gbps']:.0f}", roof, f"{f['roof_pct']:.0f}%", f["bound"])
+    return t
+
+
 def _ranks_table(report: dict) -> Table:
     t = Table(title="Ranks (sums over steps), times in ms", title_justify="left", show_edge=False)
     gpu = any(_has_gpu(r) for r in report["ranks"])
@@ -345,9 +364,9 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         render_serving(console, r)
         if r["top_kernels"]:
             console.print(_kernels_table(r))
-        ct = _counters_table(r)
-        if ct is not None:
-            console.print(ct)
+        for table in (_roofline_table(r), _counters_table(r)):
+            if table is not None:
+                console.print(table)
         render_diagnosis(console, r)
         _native(console, r)
         console.print()
