@@ -63,9 +63,21 @@ def _slow_transport(tmp_path, env: dict | None) -> dict:
 
 def test_slow_interconnect_names_the_setting_the_job_ran_with(tmp_path):
     c = _slow_transport(tmp_path / "with", SOCKETS_ENV)
-    assert c["remedy"].startswith("This job ran with NCCL_P2P_DISABLE=1") and "NCCL_SHM_DISABLE=1" in c["remedy"]
+    assert c["remedy"].startswith("This job ran with NCCL_P2P_DISABLE=1 (turns NVLink/PCIe peer-to-peer off): unset it")
+    # shared memory off is the fallback NCCL lost, not why it left NVLink: named after, as such
+    assert "It also set NCCL_SHM_DISABLE=1" in c["remedy"]
     assert "NCCL_IB_DISABLE" not in c["remedy"]  # InfiniBand is not how two GPUs of one host talk
-    assert [s["name"] for s in c["evidence"]["settings"]] == ["NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"]
+    assert [(s["name"], s["off_nvlink"]) for s in c["evidence"]["settings"]] == [("NCCL_P2P_DISABLE", True),
+                                                                                ("NCCL_SHM_DISABLE", False)]
     # an older capture without the settings: the list of what to check, no setting named
     plain = _slow_transport(tmp_path / "without", None)
     assert plain["remedy"].startswith("Let NCCL use NVLink") and plain["evidence"]["settings"] == []
+
+
+def test_settings_that_keep_nvlink_are_never_the_reason(tmp_path):
+    # a pinned algorithm and protocol change how NCCL uses NVLink, not whether: the general
+    # remedy leads (containers, visibility, topology), the pins are named after it
+    c = _slow_transport(tmp_path, {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"})
+    assert c["remedy"].startswith("Let NCCL use NVLink") and "--ipc=host" in c["remedy"]
+    assert "It also set NCCL_PROTO=Simple (pins the protocol), NCCL_ALGO=Ring (pins the algorithm)" in c["remedy"]
+    assert not any(s["off_nvlink"] for s in c["evidence"]["settings"])

@@ -127,38 +127,65 @@ REMEDY = ("Let NCCL use NVLink peer-to-peer: run once with NCCL_DEBUG=INFO and l
 
 
 # Settings that keep NCCL off NVLink peer-to-peer within a host, and what each does. A capture
-# whose meta.json records one of them (agent/commsettings.py) names it instead of the list.
+# whose meta.json records one of them (agent/commsettings.py) names it first in the remedy.
 _OFF_NVLINK = (
     ("NCCL_P2P_DISABLE", lambda v: v.strip() not in ("", "0"), "turns NVLink/PCIe peer-to-peer off"),
     ("NCCL_P2P_LEVEL", lambda v: v.strip().upper() in ("LOC", "0"), "allows peer-to-peer only within one GPU"),
-    ("NCCL_SHM_DISABLE", lambda v: v.strip() not in ("", "0"), "turns shared-memory transport off"),
-    ("NCCL_NET", lambda v: bool(v.strip()), "forces a network transport"),
+)
+# NCCL's default channel count on an NVLink H100/H200 host is well above this: fewer channels than
+# this leave most of the links' bandwidth unused whatever the transport (NCCL docs, NCCL_MAX_NCHANNELS).
+FEW_CHANNELS = 4
+# Settings that do not move NCCL off NVLink but change how it uses the links (or, with
+# peer-to-peer off, which slower transport it falls back to): named after the above, never as
+# the reason on their own.
+_ALSO_SHAPING = (
+    ("NCCL_SHM_DISABLE", lambda v: v.strip() not in ("", "0"), "turns the shared-memory fallback off"),
+    ("NCCL_NET", lambda v: bool(v.strip()), "picks the network transport"),
     ("NCCL_PROTO", lambda v: bool(v.strip()), "pins the protocol"),
     ("NCCL_ALGO", lambda v: bool(v.strip()), "pins the algorithm"),
-    ("NCCL_MAX_NCHANNELS", lambda v: v.strip().isdigit() and int(v) < 4, "limits NCCL to few channels"),
+    ("NCCL_MAX_NCHANNELS", lambda v: v.strip().isdigit() and int(v) < FEW_CHANNELS,
+     f"limits NCCL to fewer than {FEW_CHANNELS} channels"),
 )
 
 
-def off_nvlink_settings(facts: list[RankFacts]) -> list[dict]:
-    """The settings of _OFF_NVLINK that the ranks' captures recorded (name, value, what it does)."""
+def _recorded(facts: list[RankFacts], table: tuple) -> list[dict]:
     out: dict[str, dict] = {}
     for f in facts:
         env = (((f.rt.meta.get("capture") or {}).get("communication") or {}).get("env") or {})
-        for name, bad, what in _OFF_NVLINK:
+        for name, bad, what in table:
             v = env.get(name)
             if isinstance(v, str) and bad(v) and name not in out:
                 out[name] = {"name": name, "value": v, "effect": what}
     return list(out.values())
 
 
+def off_nvlink_settings(facts: list[RankFacts]) -> list[dict]:
+    """The settings of _OFF_NVLINK, then of _ALSO_SHAPING, that the ranks' captures recorded
+    (name, value, what it does, and whether it keeps NCCL off NVLink)."""
+    return ([{**x, "off_nvlink": True} for x in _recorded(facts, _OFF_NVLINK)]
+            + [{**x, "off_nvlink": False} for x in _recorded(facts, _ALSO_SHAPING)])
+
+
+def _named(found: list[dict]) -> str:
+    return ", ".join(f"{s['name']}={s['value']} ({s['effect']})" for s in found)
+
+
 def remedy_for(facts: list[RankFacts]) -> str:
-    """REMEDY, led by the setting the job ran with when its capture recorded one."""
+    """The remedy: led by a recorded setting that keeps NCCL off NVLink, else the general one;
+    settings that only shape how NCCL uses the links follow, as something to try without."""
     found = off_nvlink_settings(facts)
-    if not found:
-        return REMEDY
-    named = ", ".join(f"{s['name']}={s['value']} ({s['effect']})" for s in found)
-    return (f"This job ran with {named}: unset {'it' if len(found) == 1 else 'them'} so that NCCL uses NVLink "
-            "peer-to-peer, and check with NCCL_DEBUG=INFO that the log shows 'via P2P/IPC'.")
+    off = [s for s in found if s["off_nvlink"]]
+    also = [s for s in found if not s["off_nvlink"]]
+    if off:
+        head = (f"This job ran with {_named(off)}: unset {'it' if len(off) == 1 else 'them'} so that NCCL uses "
+                "NVLink peer-to-peer, and check with NCCL_DEBUG=INFO that the log shows 'via P2P/IPC'.")
+    else:
+        head = REMEDY
+    if also:
+        head += (f" It also set {_named(also)}: {'this does' if len(also) == 1 else 'these do'} not keep NCCL off "
+                 "NVLink but change how it uses the links; time a run without "
+                 f"{'it' if len(also) == 1 else 'them'}.")
+    return head
 
 
 def _nvlink_host(f: RankFacts, n_ranks: int):
