@@ -59,3 +59,48 @@ def test_inductor_cudagraphs_rule_it_out(monkeypatch):
     monkeypatch.setattr(cfg.triton, "cudagraphs", True)
     d = ct.decide()
     assert d["teardown"] is False and "inductor" in d["why"]
+
+
+def test_finalize_waits_for_the_thread_the_finish_started_not_for_a_count(monkeypatch):
+    import threading
+    import time
+
+    called = threading.Event()
+    monkeypatch.setattr(ct, "_runtime_call", lambda dev: called.set())
+    job_thread_done = threading.Event()
+    job_thread = threading.Thread(target=job_thread_done.wait, args=(10,))
+    job_thread.start()
+    before = ct.threads_now()
+    # Kineto's teardown thread: started by the finish, exits a while after the first CUDA call
+    teardown = threading.Thread(target=lambda: called.wait(10) and time.sleep(0.3))
+    teardown.start()
+    # a job thread there before exits meanwhile: the count is back, Kineto's thread still runs
+    job_thread_done.set()
+    job_thread.join()
+    out = ct.finalize(0, before)
+    assert out["done"] and out["threads"] == 1 and not teardown.is_alive(), out
+    assert out["calls"] >= 2  # it kept calling while the thread ran
+
+
+def test_finalize_gives_up_at_its_bound(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(ct, "FINALIZE_WAIT_S", 0.2)
+    monkeypatch.setattr(ct, "_runtime_call", lambda dev: None)
+    before = ct.threads_now()
+    stuck = threading.Event()
+    t = threading.Thread(target=stuck.wait, args=(10,))
+    t.start()
+    try:
+        out = ct.finalize(0, before)
+        assert not out["done"] and out["threads"] == 1 and out["ms"] >= 150  # it waited its bound out
+    finally:
+        stuck.set()
+        t.join()
+
+
+def test_the_jobs_own_teardown_is_finalized_too(monkeypatch):
+    monkeypatch.setenv(ct.ENV, "1")  # set by the job: Kineto's thread waits all the same
+    assert ct.pending()
+    monkeypatch.setenv(ct.ENV, "0")
+    assert not ct.pending()

@@ -98,47 +98,55 @@ FINALIZE_POLL_S = 0.01
 _TASKS = "/proc/self/task"
 
 
-def _threads() -> int | None:
-    """This process's native threads (Kineto's teardown thread is one), None where /proc is not."""
+def _threads() -> frozenset[int] | None:
+    """This process's native thread ids (Kineto's teardown thread is one), None where /proc is not."""
     try:
-        return len(os.listdir(_TASKS))
-    except OSError:
+        return frozenset(int(t) for t in os.listdir(_TASKS))
+    except (OSError, ValueError):
         return None
 
 
-def threads_now() -> int | None:
-    """The thread count to compare with after the profiler is finished (see :func:`finalize`)."""
+def threads_now() -> frozenset[int] | None:
+    """The threads before the profiler is finished, to tell Kineto's new one (see :func:`finalize`)."""
     return _threads()
 
 
-def finalize(cuda_device: int, threads_before: int | None) -> dict[str, Any]:
+def _runtime_call(cuda_device: int) -> None:
+    import torch
+
+    torch.cuda.mem_get_info(cuda_device)  # a runtime call: its exit callback finalizes CUPTI
+
+
+def finalize(cuda_device: int, threads_before: frozenset[int] | None) -> dict[str, Any]:
     """After the profiler was finished on this thread with ``TEARDOWN_CUPTI=1``: make CUDA calls
-    until Kineto's teardown thread has finalized CUPTI and exited (the thread count is back to
-    ``threads_before``), for at most FINALIZE_WAIT_S. Returns ``{"done", "ms", "calls"}`` for
-    meta.json. Never raises."""
+    until the threads the finish started (Kineto's teardown thread among them) have exited, for
+    at most FINALIZE_WAIT_S. Threads by id, not a count: a job thread that exits meanwhile must
+    not pass for Kineto's. Returns ``{"done", "ms", "calls", "threads"}`` for meta.json. Never raises."""
     import time
 
     t0 = time.perf_counter()
     calls = 0
     done = False
+    now = _threads()
+    started = (now - threads_before) if now is not None and threads_before is not None else None
     try:
-        import torch
-
         while True:
-            torch.cuda.mem_get_info(cuda_device)  # a runtime call: its exit callback finalizes CUPTI
+            _runtime_call(cuda_device)
             calls += 1
-            n = _threads()
-            if n is not None and threads_before is not None and n <= threads_before:
+            now = _threads()
+            if started is not None and now is not None and not (started & now):
                 done = True
                 break
             if time.perf_counter() - t0 >= FINALIZE_WAIT_S:
                 break
             time.sleep(FINALIZE_POLL_S)
-    except Exception:
+    except Exception:  # noqa: S110 - a failing runtime call ends the wait; the export goes on
         pass
-    return {"done": done, "ms": round((time.perf_counter() - t0) * 1e3, 3), "calls": calls}
+    return {"done": done, "ms": round((time.perf_counter() - t0) * 1e3, 3), "calls": calls,
+            "threads": None if started is None else len(started)}
 
 
 def pending() -> bool:
-    """Whether the agent asked Kineto to tear CUPTI down at this stop."""
-    return bool(_state["ours"]) and os.environ.get(ENV) == "1"
+    """Whether Kineto tears CUPTI down at this stop (the agent or the job set the variable: the
+    job's own TEARDOWN_CUPTI=1 leaves the same thread waiting for a CUDA call)."""
+    return os.environ.get(ENV) == "1"
