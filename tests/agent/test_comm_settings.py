@@ -46,6 +46,16 @@ def test_settings_are_bounded(monkeypatch):
     assert len(env) == MAX_VARS and all(len(v) <= MAX_VALUE_CHARS for v in env.values())
 
 
+def test_past_the_bound_other_libraries_variables_are_cut_not_nccls(monkeypatch):
+    # libfabric (FI_*) and CUDA sort before NCCL: an alphabetical cut dropped NCCL's own settings
+    for k in range(MAX_VARS + 10):
+        monkeypatch.setenv(f"FI_TEST_{k:04d}", "1")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    env = comm_settings()["env"]
+    assert len(env) == MAX_VARS and env["NCCL_P2P_DISABLE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
 def _slow_transport(tmp_path, env: dict | None) -> dict:
     p = PAIRS["slow_transport2"]
     for r, t in enumerate(p["traces"]["fault"]):

@@ -23,9 +23,20 @@ MAX_VARS = 128
 MAX_VALUE_CHARS = 256
 
 
+def _rank(name: str) -> tuple[int, str]:
+    """Sort key: NCCL's and torch's NCCL variables (the ones the diagnosis reads), then the single
+    names (CUDA's), then the other prefixes in ENV_PREFIXES order; alphabetical within each."""
+    if name.startswith(ENV_PREFIXES[:2]):
+        return 0, name
+    if name in ENV_NAMES:
+        return 1, name
+    return 2 + next(i for i, p in enumerate(ENV_PREFIXES) if name.startswith(p)), name
+
+
 def _env() -> dict[str, str]:
-    names = sorted(k for k in os.environ if k.startswith(ENV_PREFIXES) or k in ENV_NAMES)
-    return {k: os.environ[k][:MAX_VALUE_CHARS] for k in names[:MAX_VARS]}
+    names = sorted((k for k in os.environ if k.startswith(ENV_PREFIXES) or k in ENV_NAMES), key=_rank)
+    # past the bound, libfabric's or UCX's many variables are the ones cut, never NCCL's
+    return {k: os.environ[k][:MAX_VALUE_CHARS] for k in sorted(names[:MAX_VARS])}
 
 
 def _process_group() -> dict[str, Any] | None:
