@@ -47,6 +47,7 @@ def straggler2(tmp_path) -> str:
 
 def assert_adds_up(f) -> list[cp.Leaf]:
     path = cp.walk(f)
+    assert path.complete  # reached the window's start within its bound
     assert path.total_ns == pytest.approx(f.base.total_ns, rel=1e-9)
     assert float(path.ns.sum()) == pytest.approx(path.total_ns, rel=1e-9)
     leaves = cp.leaves(f, path)
@@ -59,7 +60,10 @@ def test_leaves_add_up_to_the_replayed_window(tmp_path, name):
     (rt,) = open_capture(v3(tmp_path, name)).ranks
     _, f = analyse_rank(rt)
     leaves = assert_adds_up(f)
-    assert all(lf.name and lf.kind in cp.KIND_NAMES for lf in leaves)
+    assert all(lf.kind in cp.KIND_NAMES for lf in leaves)
+    # named: host time that no traced event holds is a small rest (the runtime's own gaps)
+    untraced = sum(lf.ns for lf in leaves if lf.name == cp.UNTRACED)
+    assert untraced < 0.05 * f.base.total_ns, untraced / f.base.total_ns
     if name == "gc_fault":
         # the collection holds the step: one leaf (both lines of the step that call it), on the host
         top = leaves[0]

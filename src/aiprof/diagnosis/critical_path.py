@@ -30,7 +30,7 @@ from aiprof.analysis.hotspots import OP, PYTHON, RUNTIME
 from aiprof.analysis.kernels import kernel_family
 from aiprof.analysis.loading import is_library_frame
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.graph import COLL_END, COLL_START
+from aiprof.diagnosis.graph import COLL_END, COLL_START, STEP
 from aiprof.diagnosis.leafnames import leaf_display
 from aiprof.diagnosis.replay import Edit, Trace, replay
 from aiprof.trace import classify
@@ -91,6 +91,14 @@ class CriticalPath:
     t_end: np.ndarray  # each segment's end (replayed ns, absolute)
     on_action: np.ndarray  # the index is an action's (host work, calls, host collectives), else an op's
     trace: Trace
+    complete: bool = True  # False: the walk ran out of WALK_VISITS_PER_EVENT before the window's start
+
+
+# Each event is reached at most a few times going back (an action by its end and its start, an op
+# by its end and its launch, a collective by its end, its arrival and its wait): a walk longer than
+# this many visits per event is going round in a loop, and stops rather than hang the report.
+WALK_VISITS_PER_EVENT = 4
+WALK_VISITS_SLACK = 8
 
 
 def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
@@ -147,8 +155,10 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
     pgap = eff["packed_gap_ns"]
     state, i = (("o", int(np.argmax(np.where(drop[:n_o], -np.inf, o_end)))) if gpu_end > host_end
                 else ("a_end", int(np.argmax(a_end))) if n_a else ("done", -1))
-    for _ in range(4 * (n_a + n_o) + 8):
+    complete = False
+    for _ in range(WALK_VISITS_PER_EVENT * (n_a + n_o) + WALK_VISITS_SLACK):
         if state == "done":
+            complete = True
             break
         if state == "a_end":
             st, en = float(a_start[i]), float(a_end[i])
@@ -214,7 +224,7 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
                 add(LATENCY, j, t - v, t, False)
                 state, i = "o", k
     return CriticalPath(res.total_ns, np.array(kinds, np.int8), np.array(idx, np.int64), np.array(nss),
-                        np.array(ends), np.array(acts, dtype=bool), tr)
+                        np.array(ends), np.array(acts, dtype=bool), tr, complete or state == "done")
 
 
 # ---------------------------------------------------------------------------------------- leaves
@@ -426,7 +436,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
     keys, first, inv = np.unique(rows_a, axis=0, return_index=True, return_inverse=True)
     inv = inv.reshape(-1)
     totals = np.bincount(inv, weights=item_ns_a, minlength=len(keys))
-    step_of_action = np.cumsum(g.a_kind == 3) - 1  # STEP markers open each step
+    step_of_action = np.cumsum(g.a_kind == STEP) - 1  # STEP markers open each step
     numbers = g.step_number
     n_steps = max(len(numbers), 1)
     st = np.clip(step_of_action[np.clip(item_action_a, 0, max(len(step_of_action) - 1, 0))], 0, n_steps - 1) \
@@ -537,5 +547,7 @@ def leaf_table(f: RankFacts, causes: list, top: int = TOP_LEAVES) -> dict:
             "loss_share": sum(lf.ns for lf in lvs if lf.loss) / total,
             # waiting for other ranks, and collectives' own transfer, on the replayed path
             "wait_share": sum(lf.ns for lf in lvs if lf.kind == KIND_NAMES[WAIT]) / total,
-            "comm_share": sum(lf.ns for lf in lvs if lf.kind in (KIND_NAMES[WAIT], KIND_NAMES[TRANSFER])) / total}
+            "comm_share": sum(lf.ns for lf in lvs if lf.kind in (KIND_NAMES[WAIT], KIND_NAMES[TRANSFER])) / total,
+            # False: the walk stopped early (WALK_VISITS_PER_EVENT); the leaves cover less than the step
+            "complete": bool(path.complete)}
 
