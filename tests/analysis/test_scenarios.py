@@ -82,8 +82,11 @@ def test_cheap_item_calls_in_hooks_are_not_a_cause_alone(tmp_path):
     # the reads per step in the forward hooks cost ~1 ms of 64 alone: below the reporting floor;
     # once the step's own read is gone they are the step's last syncs, and priced after it
     # (together, docs/findings.md "Pricing") they are what removing the syncs still wins
-    hooks = [x for x in c if x["code"] == "HOST_SYNC" and "hook" in x["place"]["site"]]
-    assert all(x["saving"]["alone_share"] < 0.01 and x["saving"]["marginal_to"] == ["HOST_SYNC"] for x in hooks)
+    (step_read,) = [x for x in c if x["code"] == "HOST_SYNC" and x["place"]["site"].endswith(": step")]
+    (hook,) = [x for x in c if x["code"] == "HOST_SYNC" and "hook" in x["place"]["site"]]
+    assert hook["saving"]["alone_share"] < 0.01 and hook["saving"]["marginal_to"] == ["HOST_SYNC"]
+    # what it adds after the step's read (4.6 % on this trace) is listed, below that read's own saving
+    assert 0.01 < hook["saving"]["share"] < step_read["saving"]["share"]
 
 
 @pytest.mark.parametrize("name", ["generate_b1", "slow_getitem", "pageable_copy", "fp32_matmul", "healthy", "item_in_loop",
