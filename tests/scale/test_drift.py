@@ -30,8 +30,10 @@ CPUS = 2  # CI has two cores
 FLOAT_REL = 1e-9
 # With more than two ranks a cause is priced on its rank and its partner, not on every rank.
 # Measured: ddp4_hw identical; ddp4_slow2 LAUNCH_BOUND 1005.0 against 1005.8 µs per step (0.08 %),
-# STRAGGLER 0.005 % apart. A tenth of a percent would sit at the edge of what was seen.
-PAIR_PRICING_REL = 0.01
+# STRAGGLER 0.005 % apart; v3/ddp_uneven_fix's replayed steps 0.9 % apart, v3/fsdp_healthy's
+# 0.15-1.14 % (86.67 against 87.67 ms on rank 2: the pair's calibration, docs/scale.md). 1 % sat at
+# the edge of what was seen.
+PAIR_PRICING_REL = 0.015
 # A known divergence, kept visible: a rank cause that every rank has (SM_ARRAY_IDLE on the healthy
 # 4-rank DDP job) is priced on one rank in the joint replay of all four (0.17 % of a step: the other
 # ranks still gate each all-reduce) but on the rank and its partner rank by rank (2.4-3.2 %: the
