@@ -61,25 +61,43 @@ def test_inductor_cudagraphs_rule_it_out(monkeypatch):
     assert d["teardown"] is False and "inductor" in d["why"]
 
 
-def test_finalize_waits_for_the_thread_the_finish_started_not_for_a_count(monkeypatch):
+def test_finalize_waits_for_the_thread_the_finish_started_not_for_the_jobs(monkeypatch):
     import threading
     import time
 
     called = threading.Event()
     monkeypatch.setattr(ct, "_runtime_call", lambda dev: called.set())
-    job_thread_done = threading.Event()
-    job_thread = threading.Thread(target=job_thread_done.wait, args=(10,))
-    job_thread.start()
-    before = ct.threads_now()
-    # Kineto's teardown thread: started by the finish, exits a while after the first CUDA call
-    teardown = threading.Thread(target=lambda: called.wait(10) and time.sleep(0.3))
-    teardown.start()
-    # a job thread there before exits meanwhile: the count is back, Kineto's thread still runs
-    job_thread_done.set()
-    job_thread.join()
-    out = ct.finalize(0, before)
-    assert out["done"] and out["threads"] == 1 and not teardown.is_alive(), out
-    assert out["calls"] >= 2  # it kept calling while the thread ran
+    gone, stay, started = threading.Event(), threading.Event(), threading.Event()
+    job_gone = threading.Thread(target=gone.wait, args=(10,))  # a job thread there before
+    job_gone.start()
+    job_new = threading.Thread(target=lambda: started.set() or stay.wait(10))  # one the job starts meanwhile
+    out: dict = {}
+
+    def finisher() -> None:  # the export thread: it finishes the profiler, Kineto starts a thread
+        before = ct.threads_now()
+        # Kineto's teardown thread: started by the finish, exits a while after the first CUDA call
+        out["teardown"] = threading.Thread(target=lambda: called.wait(10) and time.sleep(0.3))
+        out["teardown"].start()
+        out["ready"].set()
+        started.wait(10)  # the job started its thread and ended the other: the count is unchanged
+        out["finalize"] = ct.finalize(0, before)
+
+    out["ready"] = threading.Event()
+    f = threading.Thread(target=finisher)
+    f.start()
+    try:
+        out["ready"].wait(10)
+        gone.set()
+        job_gone.join()
+        job_new.start()  # from this thread: not named after the finisher
+        f.join(20)
+        res = out["finalize"]
+        # done once Kineto's thread is gone, though the job's new thread runs on
+        assert res["done"] and res["threads"] == 1 and not out["teardown"].is_alive(), res
+        assert job_new.is_alive() and res["calls"] >= 2  # it kept calling while the teardown thread ran
+    finally:
+        stay.set()
+        gone.set()
 
 
 def test_finalize_gives_up_at_its_bound(monkeypatch):
@@ -87,16 +105,22 @@ def test_finalize_gives_up_at_its_bound(monkeypatch):
 
     monkeypatch.setattr(ct, "FINALIZE_WAIT_S", 0.2)
     monkeypatch.setattr(ct, "_runtime_call", lambda dev: None)
-    before = ct.threads_now()
     stuck = threading.Event()
-    t = threading.Thread(target=stuck.wait, args=(10,))
-    t.start()
+    out: dict = {}
+
+    def finisher() -> None:  # a teardown thread that never ends (its CUDA call never comes)
+        before = ct.threads_now()
+        threading.Thread(target=stuck.wait, args=(10,)).start()
+        out["finalize"] = ct.finalize(0, before)
+
+    f = threading.Thread(target=finisher)
+    f.start()
     try:
-        out = ct.finalize(0, before)
-        assert not out["done"] and out["threads"] == 1 and out["ms"] >= 150  # it waited its bound out
+        f.join(20)
+        res = out["finalize"]
+        assert not res["done"] and res["threads"] >= 1 and res["ms"] >= 150  # it waited its bound out
     finally:
         stuck.set()
-        t.join()
 
 
 def test_the_jobs_own_teardown_is_finalized_too(monkeypatch):

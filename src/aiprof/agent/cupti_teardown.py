@@ -98,6 +98,13 @@ FINALIZE_POLL_S = 0.01
 _TASKS = "/proc/self/task"
 
 
+# The name the thread that finishes the profiler gives itself (Linux: at most 15 bytes). A thread
+# inherits its creator's name, so Kineto's teardown thread carries it too: the wait below is for
+# the threads that carry it, not for the job's threads that happen to start meanwhile.
+FINISHER_NAME = "aiprof-finish"
+_PR_SET_NAME = 15
+
+
 def _threads() -> frozenset[int] | None:
     """This process's native thread ids (Kineto's teardown thread is one), None where /proc is not."""
     try:
@@ -106,8 +113,29 @@ def _threads() -> frozenset[int] | None:
         return None
 
 
+def _name(tid: int) -> str | None:
+    try:
+        with open(f"{_TASKS}/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _name_this_thread() -> bool:
+    """Give the calling thread FINISHER_NAME (prctl); False where it cannot (not Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_NAME, FINISHER_NAME.encode(), 0, 0, 0) == 0
+    except Exception:  # noqa: BLE001 - no prctl: the wait falls back to every new thread
+        return False
+
+
 def threads_now() -> frozenset[int] | None:
-    """The threads before the profiler is finished, to tell Kineto's new one (see :func:`finalize`)."""
+    """Before the profiler is finished on this thread: name the thread (its children, Kineto's
+    teardown thread among them, inherit the name) and note the threads there are."""
+    _name_this_thread()
     return _threads()
 
 
@@ -119,9 +147,10 @@ def _runtime_call(cuda_device: int) -> None:
 
 def finalize(cuda_device: int, threads_before: frozenset[int] | None) -> dict[str, Any]:
     """After the profiler was finished on this thread with ``TEARDOWN_CUPTI=1``: make CUDA calls
-    until the threads the finish started (Kineto's teardown thread among them) have exited, for
-    at most FINALIZE_WAIT_S. Threads by id, not a count: a job thread that exits meanwhile must
-    not pass for Kineto's. Returns ``{"done", "ms", "calls", "threads"}`` for meta.json. Never raises."""
+    until the threads the finish started (Kineto's teardown thread among them: new since
+    ``threads_before`` and named FINISHER_NAME after this thread) have exited, for at most
+    FINALIZE_WAIT_S. Threads by id and name, not a count: a job thread that exits or starts
+    meanwhile must not pass for Kineto's. Returns ``{"done", "ms", "calls", "threads"}`` for meta.json. Never raises."""
     import time
 
     t0 = time.perf_counter()
@@ -129,6 +158,9 @@ def finalize(cuda_device: int, threads_before: frozenset[int] | None) -> dict[st
     done = False
     now = _threads()
     started = (now - threads_before) if now is not None and threads_before is not None else None
+    if started:  # the finish's own threads carry this thread's name; the job's do not (where no
+        # new thread carries it, every new one is waited for: bounded, and never too early)
+        started = frozenset(t for t in started if _name(t) == FINISHER_NAME) or started
     try:
         while True:
             _runtime_call(cuda_device)
