@@ -8,13 +8,13 @@ scalars only) is left out, and the share of kernel time that is covered is repor
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from aiprof.analysis.flops import ATTENTION_BACKWARD_FACTOR, estimate_flops
 from aiprof.analysis.kernels import is_tensor_core_kernel, kernel_family
+from aiprof.analysis.rankdiff import parse_dims
 from aiprof.hardware import device as device_spec
 from aiprof.trace.store import RankTrace
 
@@ -70,14 +70,6 @@ class Roofline:
     reason: str | None = None  # why there is no roofline (None: there is one)
 
 
-def _shapes(s: str) -> list:
-    try:
-        v = json.loads(s) if s else []
-    except ValueError:
-        return []
-    return v if isinstance(v, list) else []
-
-
 def _numel(d: object) -> int | None:
     if not isinstance(d, list) or not all(isinstance(x, int) for x in d):
         return None
@@ -94,7 +86,7 @@ def op_work(name: str, dims: str, types: str) -> tuple[float, float] | None:
     the largest input for any other op (elementwise), nothing for a reduction. FLOPs: the matmul
     and attention formulas of analysis.flops, else one per element of the largest input.
     """
-    ds, ts = _shapes(dims), _shapes(types)
+    ds, ts = parse_dims(dims), parse_dims(types)
     read, largest, item = 0.0, 0, 0
     for i, (d, t) in enumerate(zip(ds, ts)):
         n, b = _numel(d), DTYPE_BYTES.get(t) if isinstance(t, str) else None
@@ -143,7 +135,7 @@ def _attention_flops(name: str, ds: list) -> float:
 
 def _compute_peak(dev, kernel: str, types: str) -> tuple[float, str]:
     """The compute roof of an op's kernel in TFLOP/s, and what it is."""
-    first = (_shapes(types) or [""])[0]
+    first = (parse_dims(types) or [""])[0]
     if is_tensor_core_kernel(kernel):
         if first in ("c10::BFloat16", "c10::Half"):
             return dev.bf16_tflops, "bf16 tensor cores"

@@ -33,8 +33,8 @@ from aiprof.analysis.comm import BUSBW_FACTOR, DTYPE_BYTES, PCIE_GEN5_X16_GBPS
 from aiprof.diagnosis.causes.common import ms, transfer_edits
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.hardware import device
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Cause, Claim, Place
+from aiprof.hardware import device
 
 CODE = "SLOW_INTERCONNECT"
 # Messages this large are bandwidth-bound (NCCL's latency, ~10-50 µs, is under a tenth of the
