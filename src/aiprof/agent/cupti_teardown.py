@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 ENV = "TEARDOWN_CUPTI"
@@ -147,8 +148,8 @@ def _runtime_call(cuda_device: int) -> None:
 
 def finalize(cuda_device: int, threads_before: frozenset[int] | None) -> dict[str, Any]:
     """After the profiler was finished on this thread with ``TEARDOWN_CUPTI=1``: make CUDA calls
-    until the threads the finish started (Kineto's teardown thread among them: new since
-    ``threads_before`` and named FINISHER_NAME after this thread) have exited, for at most
+    until the threads the finish started (Kineto's teardown thread among them: named FINISHER_NAME
+    after this thread; else those new since ``threads_before``) have exited, for at most
     FINALIZE_WAIT_S. Threads by id and name, not a count: a job thread that exits or starts
     meanwhile must not pass for Kineto's. Returns ``{"done", "ms", "calls", "threads"}`` for meta.json. Never raises."""
     import time
@@ -157,10 +158,12 @@ def finalize(cuda_device: int, threads_before: frozenset[int] | None) -> dict[st
     calls = 0
     done = False
     now = _threads()
-    started = (now - threads_before) if now is not None and threads_before is not None else None
-    if started:  # the finish's own threads carry this thread's name; the job's do not (where no
-        # new thread carries it, every new one is waited for: bounded, and never too early)
-        started = frozenset(t for t in started if _name(t) == FINISHER_NAME) or started
+    # the finish's threads carry this thread's name, the job's do not; by name, not by "new since
+    # threads_before" alone: a thread id can be reused (seen in CI: Kineto's stand-in got the id of
+    # a thread that had ended). Where none carries it, every new thread is waited for (bounded).
+    me = threading.get_native_id()
+    named = frozenset(t for t in now if t != me and _name(t) == FINISHER_NAME) if now is not None else frozenset()
+    started = named or ((now - threads_before) if now is not None and threads_before is not None else None)
     try:
         while True:
             _runtime_call(cuda_device)
