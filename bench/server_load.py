@@ -350,6 +350,18 @@ def checkout(rev: str, into: str) -> tuple[str, str]:
 ASM_THREADS = 16  # the bench's own posts of a snapshot's stacks, at a time
 
 
+def wait_analysed(client: Any, sid: str, deadline: float) -> dict:
+    """Poll hang snapshot ``sid`` until it is analysed (or failed); its last state."""
+    st: dict = {}
+
+    def analysed() -> bool:
+        nonlocal st
+        st = client.get(f"hang/{sid}")
+        return st.get("state") in ("analysed", "failed")
+    wait_for(analysed, deadline)
+    return st
+
+
 def assemble_snapshot(url: str, token: str, client: ServerClient, n: int, meter: CpuMeter,
                       deadline: float) -> dict[str, Any]:
     """A snapshot's own cost, without the command's fan-out through heartbeats: a second job-wide
@@ -369,13 +381,7 @@ def assemble_snapshot(url: str, token: str, client: ServerClient, n: int, meter:
     with ThreadPoolExecutor(ASM_THREADS) as ex:
         list(ex.map(lambda r: poster.post(f"hang/{sid}/ranks/{r}", stack_dump(r, n), timeout=30.0), ranks))
     posted = time.monotonic() - t0
-    st: dict = {}
-
-    def analysed() -> bool:
-        nonlocal st
-        st = client.get(f"hang/{sid}")
-        return st.get("state") in ("analysed", "failed")
-    wait_for(analysed, deadline)
+    st = wait_analysed(client, sid, deadline)
     assembled = time.monotonic() - t0
     cpu = meter.since(c0)
     outliers = sorted(o.get("rank") for o in (st.get("result") or {}).get("outliers") or [])
@@ -438,13 +444,7 @@ def run_once(a: argparse.Namespace, src: str | None, label: str) -> dict[str, An
         hang_ranks = len(hang["ranks"])  # the agents alive when it was sent
         wait_for(lambda: rep.count("command:stacks") >= hang_ranks, deadline)
         t_hang_fan = rep.last("command:stacks") - t_hang
-        hang_state: dict = {}
-
-        def analysed() -> bool:
-            nonlocal hang_state
-            hang_state = client.get(f"hang/{sid}")
-            return hang_state.get("state") in ("analysed", "failed")
-        wait_for(analysed, deadline)
+        hang_state = wait_analysed(client, sid, deadline)
         t_hang_done = time.monotonic() - t_hang
         hang_cpu = meter.since(c_hang)
         asm = assemble_snapshot(url, token, client, n, meter, deadline)

@@ -8,7 +8,7 @@ scalars only) is left out, and the share of kernel time that is covered is repor
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,7 +36,7 @@ REDUCTION_WORDS = ("sum", "mean", "amax", "amin", "max", "min", "norm", "var", "
 # kernels are too short or too narrow to load either the memory system or the math pipes (on an
 # H100 a 5 µs elementwise kernel over 1 MB reaches ~6% of HBM bandwidth).
 LATENCY_ROOF_SHARE = 0.2
-# Families below this share of the covered kernel time are not listed (their sum is).
+# Families below this share of the covered kernel time are not listed.
 MIN_FAMILY_SHARE = 0.005
 NO_SHAPES = "no op carries input shapes and dtypes: add --what shapes"
 NO_KERNELS = "no GPU kernels"
@@ -210,7 +210,3 @@ def roofline(rt: RankTrace) -> Roofline:
                                   f["calls"], f["ns"] / 1e3, f["flops"], f["bytes"], intensity, tflops,
                                   f["bytes"] / sec / 1e9, roof, 100.0 * share, side, bound, peak_what))
     return Roofline(name, dev.dram_gbps, 100.0 * covered / compute_ns if compute_ns else 0.0, out)
-
-
-def roofline_dict(rt: RankTrace) -> dict:
-    return asdict(roofline(rt))
