@@ -23,6 +23,7 @@ Usage::
     python bench/scale.py                                   # ddp4, N = 8, 64, 256, 1024
     python bench/scale.py --ranks 1024 --workers 4,8,16 --local-max 0    # scaling with workers
     python bench/scale.py --template ddp2 --ranks 1024 --local-max 0 --out $OUT   # ~30 MB ranks
+    python bench/scale.py --ranks 1024 --workers 16,64 --compare ../base/src --warm   # before/after
 """
 from __future__ import annotations
 
@@ -113,17 +114,20 @@ def _rm_stores(d: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int) -> dict:
-    """`aiprof analyze` on the capture in a fresh process; its figures."""
+def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int, src: Path = ROOT / "src",
+        warm: bool = False) -> dict:
+    """`aiprof analyze` (imported from ``src``) on the capture in a fresh process; its figures.
+    Cold: every rank parsed again (no store from an earlier run, --no-cache); ``warm``: the stores
+    the previous run wrote are reused. The stores are left for the next run."""
     stats, report = d / f"stats-{engine}.txt", d / f"report-{engine}.txt"
-    _rm_stores(d)  # cold: no store from an earlier run (--no-cache re-parses anyway)
+    if not warm:
+        _rm_stores(d)
     cmd = [sys.executable, "-c", "import sys; from aiprof.cli.main import main; sys.exit(main())", "analyze", str(d),
-           "--engine", engine, "--json",
-           "--no-cache", "--stats", str(stats)]
+           "--engine", engine, "--json", "--stats", str(stats)] + ([] if warm else ["--no-cache"])
     if workers and engine == "ray":
         cmd += ["--workers", str(workers)]
     env = dict(os.environ, AIPROF_PROGRESS="never", PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p))
+        p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     try:
@@ -140,12 +144,11 @@ def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int)
         rep = json.load(f)
     named = [s["straggler_rank"] for s in (rep.get("cross_rank") or {}).get("stragglers", [])]
     top = rep["causes"][0] if rep["causes"] else {}
-    _rm_stores(d)
     return {"engine": engine, "wall_s": round(wall, 2), "driver_peak_rss_mb": st["driver_peak_rss_mb"],
             "work_cpu_s": round(st["worker_cpu_s"] if engine == "ray" else st["driver_cpu_s"] + st["worker_cpu_s"], 1),
             "driver_cpu_s": st["driver_cpu_s"],
             "all_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
-            "phases": st.get("phases", {}), "stragglers_named": named,
+            "phases": st.get("phases", {}), "driver": st.get("driver", {}), "stragglers_named": named,
             "top_cause": f"{top.get('code')}@{top.get('rank')} {100 * top.get('saving', {}).get('share', 0):.1f}%",
             "straggler_named": named == [straggler] and top.get("rank") == straggler,
             "report_mb": round(report.stat().st_size / 1e6, 1)}
@@ -161,6 +164,10 @@ def main() -> int:
     ap.add_argument("--work", default=str(ROOT / "bench" / "out" / "scale"), help="where captures are built")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write results.json here")
     ap.add_argument("--keep", action="store_true", help="keep the built captures (reused by the next run)")
+    ap.add_argument("--compare", metavar="SRC", help="also run the aiprof imported from SRC (a checkout's src/, "
+                    "e.g. `git worktree add` of the baseline), alternating with this one, labelled 'base'")
+    ap.add_argument("--warm", action="store_true", help="after the cold runs, one more Ray run of this aiprof "
+                    "reusing the stores they wrote (a second analysis of the same capture)")
     args = ap.parse_args()
     work = Path(args.work)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -174,22 +181,33 @@ def main() -> int:
         size = sum(p.stat().st_size for p in d.glob("*.json.gz"))
         print(f"\nN={n}: built {d} ({size / 1e6:.0f} MB gz) in {time.perf_counter() - t0:.0f} s; "
               f"straggler rank {straggler}", flush=True)
-        for engine, workers in [("ray", w) for w in sweep] + [("local", None)]:
+        srcs = [("this", ROOT / "src")] + ([("base", Path(args.compare))] if args.compare else [])
+        plan = [("ray", w, name, src, False) for w in sweep for name, src in srcs]
+        plan += [("local", None, name, src, False) for name, src in srcs]
+        if args.warm and sweep:
+            plan.append(("ray", sweep[-1], "this", ROOT / "src", True))
+        for engine, workers, name, src, warm in plan:
             if engine == "local" and n > args.local_max:
                 print(f"  local   : skipped (N > --local-max {args.local_max})")
                 continue
-            r = run(d, engine, straggler, workers, args.timeout)
-            r.update(ranks=n, template=args.template, gz_mb=round(size / 1e6), cpus=cpus,
+            if warm:  # the stores of this aiprof's own cold run
+                run(d, engine, straggler, workers, args.timeout, src)
+            r = run(d, engine, straggler, workers, args.timeout, src, warm)
+            r.update(ranks=n, template=args.template, gz_mb=round(size / 1e6), cpus=cpus, aiprof=name, warm=warm,
                      ray_workers=(workers or cpus) if engine == "ray" else None)
             results.append(r)
-            label = f"{engine}/{workers or cpus}" if engine == "ray" else engine
+            label = (f"{engine}/{workers or cpus}" if engine == "ray" else engine) + (" warm" if warm else "")
+            label += f" {name}" if args.compare else ""
             if "error" in r:
-                print(f"  {label:8s}: FAILED {r['error']}", flush=True)
+                print(f"  {label:14s}: FAILED {r['error']}", flush=True)
                 continue
-            print(f"  {label:8s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
-                  f"work CPU {r['work_cpu_s']:7.1f} s  all CPU {r['all_cpu_s']:7.1f} s  "
-                  f"straggler named: {r['straggler_named']} ({r['top_cause']})  report {r['report_mb']} MB",
-                  flush=True)
+            driver = "  ".join(f"{k[:-2]} {v:.2f}" for k, v in r["driver"].items())
+            phases = "  ".join(f"{k} {v['wall_s']:.1f}/{v['cpu_s']:.0f}" for k, v in r["phases"].items())
+            print(f"  {label:14s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
+                  f"driver CPU {r['driver_cpu_s']:6.1f} s  work CPU {r['work_cpu_s']:7.1f} s  all CPU {r['all_cpu_s']:7.1f} s  "
+                  f"straggler named: {r['straggler_named']} ({r['top_cause']})  report {r['report_mb']} MB\n"
+                  f"  {'':14s}  phases wall/CPU s: {phases}\n  {'':14s}  driver steps s: {driver or '-'}", flush=True)
+        _rm_stores(d)
         if not args.keep:
             shutil.rmtree(d, ignore_errors=True)
     if args.out:
