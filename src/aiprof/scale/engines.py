@@ -218,6 +218,21 @@ def use_token_auth(address: str) -> str | None:
 
 
 @contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """These environment variables set meanwhile (for the processes started), then as they were."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def _stderr_to(path: str) -> Iterator[None]:
     """This process's stderr (fd 2, where Ray's C++ client logs) into ``path`` meanwhile: a
     head that refuses the client gets a warning a second for ~20 s before ray.init() gives up,
@@ -306,7 +321,7 @@ class RayEngine:
         address = address or os.environ.get("RAY_ADDRESS") or None
         # workers import aiprof from where this process does (an editable install, PYTHONPATH=src)
         path = os.pathsep.join(p for p in (_aiprof_path(), os.environ.get("PYTHONPATH", "")) if p)
-        env = {"env_vars": {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}}
+        env = {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}
         quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
         token = None
         if address:
@@ -318,8 +333,13 @@ class RayEngine:
                 with _stderr_to(os.devnull), _client_errors() as seen:
                     ray.init(address=address, **quiet)
             else:
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, runtime_env=env,
-                         object_store_memory=OBJECT_STORE_BYTES, **quiet)
+                # the workers' environment is the raylet's, inherited from this process: set here
+                # rather than as a runtime_env, whose workers Ray starts only once the first task
+                # asks for them (the workers it started with init have the default env): 1.5-2 s
+                # later on 2 cores (bench/ray_start.py)
+                with _environ(env):
+                    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                             object_store_memory=OBJECT_STORE_BYTES, **quiet)
         except ConnectionError as exc:
             # it accepted a TCP connection (_reachable); a Ray Client whose every ping is refused
             # (UNAUTHENTICATED, or not a client server) gives up with "ray client connection timeout"
