@@ -172,6 +172,7 @@ def roofline(rt: RankTrace) -> Roofline:
     call_kernel = codes[by_len[last]]
     names, dims, types = o.strings("name"), o.strings("input_dims"), o.strings("input_types")
     work_cache: dict[tuple[int, int, int], tuple[float, float] | None] = {}
+    family_of: dict[int, str] = {}  # by kernel name code: a few names recur over many calls
     fam: dict[str, dict] = {}
     covered = 0.0
     for r, ns, kc in zip(call_rows.tolist(), call_ns.tolist(), call_kernel.tolist()):
@@ -182,9 +183,13 @@ def roofline(rt: RankTrace) -> Roofline:
         if w is None:
             continue
         covered += ns
-        kernel = kn.labels[kc]
-        f = fam.setdefault(kernel_family(kernel), {"calls": 0, "ns": 0.0, "flops": 0.0, "bytes": 0.0, "ops": {},
-                                                   "peak": _compute_peak(dev, kernel, types.labels[key[2]])})
+        family = family_of.get(kc)
+        if family is None:
+            family = family_of[kc] = kernel_family(kn.labels[kc])
+        f = fam.get(family)
+        if f is None:  # the family's compute roof: its first call's kernel and dtype
+            f = fam[family] = {"calls": 0, "ns": 0.0, "flops": 0.0, "bytes": 0.0, "ops": {},
+                               "peak": _compute_peak(dev, kn.labels[kc], types.labels[key[2]])}
         f["calls"] += 1
         f["ns"] += ns
         f["flops"] += w[0]
