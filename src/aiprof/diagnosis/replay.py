@@ -172,9 +172,12 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     packed = edit.packed if edit is not None and edit.packed is not None else np.zeros(n_op, dtype=bool)
     no_wait = edit.no_wait if edit is not None and edit.no_wait is not None else np.zeros(n_act, dtype=bool)
     pgap = edit.packed_gap_ns if edit is not None else 0.0
-    # plain lists: the loop below indexes them once per event
+    # plain lists: the loop below indexes them once per event. The loop runs once per host action
+    # and GPU op for every what-if priced, so it takes the larger of two floats as
+    # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call.
     gap_l, cost_l, kind_l, wait_l, nowait_l = gap.tolist(), cost.tolist(), g.a_kind.tolist(), g.a_wait.tolist(), no_wait.tolist()
     oact, ostream, odelay = g.o_action.tolist(), g.o_stream.tolist(), g.o_delay.tolist()
+    oact.append(-1)  # a sentinel no action matches: the op loop needs no bound check
     dur_l, drop_l, packed_l = dur.tolist(), drop.tolist(), packed.tolist()
     deps = g.o_deps
     lat = g.launch_latency_ns
@@ -190,38 +193,41 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     busy = 0.0
     step_t: list[float] = []
     j = 0
-    for i in range(n_act):
-        start = cursor + gap_l[i]
-        start = max(start, prev_start)
+    for i, gap_i, k, cost_i, w in zip(range(n_act), gap_l, kind_l, cost_l, wait_l):
+        start = cursor + gap_i
+        if prev_start > start:
+            start = prev_start
         if starts is not None:
             starts.append(start)
         if trace is not None:
             trace.a_start.append(start)
             trace.a_end.append(start)  # set below once the action's end is known
-        k = kind_l[i]
-        if k == STEP:
-            step_t.append(start)
-        elif k == END:
-            cursor = max(cursor, start)
-            break
-        elif k == COLL_START:
-            arrivals[acoll[i]] = start
-        elif k == COLL_END:
-            c = acoll[i]
-            if nowait_l[i]:  # the fix skips this collective
+        if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
+            if k == STEP:
+                step_t.append(start)
+            elif k == END:
+                if start > cursor:
+                    cursor = start
+                break
+            elif k == COLL_START:
+                arrivals[acoll[i]] = start
+            elif k == COLL_END:
+                c = acoll[i]
+                if nowait_l[i]:  # the fix skips this collective
+                    prev_start = start
+                    continue
+                arr = arrivals.get(c, start)
+                latest = (yield c, arr) if c in transfer else arr
+                done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
+                end = done if done > start else start
+                if trace is not None:
+                    trace.a_end[-1] = end
+                    trace.c_latest[c] = latest
+                if end > cursor:
+                    cursor = end
                 prev_start = start
                 continue
-            arr = arrivals.get(c, start)
-            latest = (yield c, arr) if c in transfer else arr
-            done = max(arr, latest) + transfer.get(c, 0.0)
-            end = max(start, done)
-            if trace is not None:
-                trace.a_end[-1] = end
-                trace.c_latest[c] = latest
-            cursor = max(cursor, end)
-            prev_start = start
-            continue
-        while j < n_op and oact[j] == i:
+        while oact[j] == i:
             if drop_l[j]:
                 gend[j] = start
                 if trace is not None:
@@ -231,13 +237,17 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
             s = ostream[j]
             tail = tails.get(s, -1e30)
             if packed_l[j]:
-                ready = max(tail + pgap, start)
+                follows = tail + pgap
+                ready = start if start > follows else follows
             else:
-                ready = max(tail, start + lat)
+                launched = start + lat
+                ready = launched if launched > tail else tail
                 dl = deps.get(j)
                 if dl:
                     for d in dl:
-                        ready = max(ready, gend[d])
+                        e = gend[d]
+                        if e > ready:
+                            ready = e
                 ready += odelay[j]
             c = ocoll[j]
             if trace is not None:
@@ -247,21 +257,22 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                 latest = yield c, ready
                 if trace is not None:
                     trace.c_latest[c] = latest
-                e = max(ready, latest) + transfer[c]
+                e = (latest if latest > ready else ready) + transfer[c]
             else:
                 e = ready + dur_l[j]
             tails[s] = e
             gend[j] = e
             busy += dur_l[j]
-            gpu_end = max(gpu_end, e)
+            if e > gpu_end:
+                gpu_end = e
             j += 1
-        end = start + cost_l[i]
-        w = wait_l[i]
+        end = start + cost_i
         if w >= 0 and not nowait_l[i] and gend[w] > start:
-            end = gend[w] + cost_l[i]
+            end = gend[w] + cost_i
         if trace is not None:
             trace.a_end[-1] = end
-        cursor = max(cursor, end)
+        if end > cursor:
+            cursor = end
         prev_start = start
     if op_ends is not None:
         op_ends.extend(gend)
