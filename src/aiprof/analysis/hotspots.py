@@ -97,15 +97,24 @@ class HostTree:
 
     def stack(self, node: int, kinds: tuple[int, ...] = (PYTHON,)) -> list[str]:
         """Names of the node's ancestors of the given kinds, outermost first."""
-        _, kind, code = self._lists()
-        return [self.labels[code[n]] for n in reversed(self.ancestors(node)) if kind[n] in kinds]
+        parent, kind, code = self._lists()
+        out = []
+        node = int(node)
+        while node >= 0:
+            if kind[node] in kinds:
+                out.append(self.labels[code[node]])
+            node = parent[node]
+        out.reverse()
+        return out
 
     def user_site(self, node: int) -> str:
         """The nearest ancestor Python frame that is user code (not a library), or ""."""
-        _, kind, code = self._lists()
-        for n in self.ancestors(node):
-            if kind[n] == PYTHON and not is_library_frame(self.labels[code[n]]):
-                return self.labels[code[n]]
+        parent, kind, code = self._lists()
+        node = int(node)
+        while node >= 0:
+            if kind[node] == PYTHON and not is_library_frame(name := self.labels[code[node]]):
+                return name
+            node = parent[node]
         return ""
 
     def nearest(self, nodes: np.ndarray, kind: int) -> np.ndarray:
