@@ -150,7 +150,7 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
     # agent's iterations has its own scale for it (engine.rank_facts): the pair's then
     target = None if any(q.steps.within for q in pair) else inp.job_unprofiled_ns
     settle(pair, target)
-    return rep, f, pair, Pricer(pair, True, target)
+    return rep, f, pair, Pricer(pair, True, target, {q.rank: q.base for q in pair})
 
 
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,
