@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import KIND_NAMES as HOST_EVENT_KINDS
 from aiprof.analysis.hotspots import OP, PYTHON, RUNTIME
 from aiprof.analysis.kernels import kernel_family
@@ -433,8 +434,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
     item_ref_a, item_kind_a = np.concatenate(item_ref).astype(np.int64), np.concatenate(item_kind).astype(np.int64)
     if not len(rows_a):
         return []
-    keys, first, inv = np.unique(rows_a, axis=0, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
+    keys, first, inv = npx.unique_rows(rows_a)
     totals = np.bincount(inv, weights=item_ns_a, minlength=len(keys))
     step_of_action = np.cumsum(g.a_kind == STEP) - 1  # STEP markers open each step
     numbers = g.step_number
