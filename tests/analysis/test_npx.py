@@ -35,3 +35,10 @@ def test_unique_rows_matches_numpy_axis(n, lo, hi):
     assert np.array_equal(keys, want) and np.array_equal(first, wfirst) and np.array_equal(inv, winv.ravel())
     empty = npx.unique_rows(np.zeros((0, 4), np.int64))
     assert [len(x) for x in empty] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("n", [0, 1, 3000])
+def test_unique_runs_matches_numpy(n):
+    rng = np.random.default_rng(n)
+    a = np.concatenate([np.sort(rng.integers(0, 500, n)), np.sort(rng.integers(-5, 50, n)), rng.integers(0, 9, n)])
+    assert np.array_equal(npx.unique_runs(a), np.unique(a))

@@ -130,7 +130,7 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         order = np.lexsort((-gaps.dur[sel], inv))
         first = order[np.concatenate([[0], np.nonzero(np.diff(inv[order]))[0] + 1])]
         rep = gaps.node[sel][first]
-        calls = _calls_per_step(tree, steps)
+        calls = _calls_per_step(tree, steps, wanted)
         for k, tt, r in zip(uk, t, rep):
             s, cd = int(k // nl), int(k % nl)
             name = item_name(labels[cd])
@@ -163,11 +163,13 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
     return [profs[i] for i in which]
 
 
-def _calls_per_step(tree, steps: Steps) -> dict[tuple[int, int], int]:
+def _calls_per_step(tree, steps: Steps, wanted: np.ndarray) -> dict[tuple[int, int], int]:
+    """Calls per (step index, label code), of the ``wanted`` steps only (a diff reads two)."""
     if not len(tree):
         return {}
     sidx = steps.index_of(tree.start)
     ok = sidx >= 0
+    ok[ok] = wanted[sidx[ok]]
     n = len(tree.labels) + 1
     uk, cnt = npx.unique(sidx[ok] * n + tree.code[ok], return_counts=True)
     return {(int(k // n), int(k % n)): int(c) for k, c in zip(uk, cnt)}

