@@ -154,6 +154,22 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
         return done.value
 
 
+def _fixed_lists(g: Graph) -> tuple[list, ...]:
+    """The graph's arrays no edit changes, as the lists :func:`simulate` indexes, made once per
+    graph (it is replayed once per what-if priced); kept with the arrays they were made from, so
+    a graph given new arrays gets new lists. ``o_action``'s list ends with a sentinel -1."""
+    arrays = (g.a_kind, g.a_wait, g.o_action, g.o_stream, g.o_delay, g.a_coll, g.o_coll)
+    hit = g.__dict__.get("_fixed_lists")
+    if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
+        oact = g.o_action.tolist()
+        oact.append(-1)  # a sentinel no action matches: the op loop needs no bound check
+        lists = (g.a_kind.tolist(), g.a_wait.tolist(), oact, g.o_stream.tolist(), g.o_delay.tolist(),
+                 g.a_coll.tolist() if g.a_coll is not None else [-1] * g.n_actions,
+                 g.o_coll.tolist() if g.o_coll is not None else [-1] * g.n_ops)
+        hit = g.__dict__["_fixed_lists"] = (arrays, lists)
+    return hit[1]
+
+
 def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
              op_ends: list | None = None, trace: Trace | None = None
              ) -> Generator[tuple[int, float], float, ReplayResult]:
@@ -175,14 +191,11 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     # plain lists: the loop below indexes them once per event. The loop runs once per host action
     # and GPU op for every what-if priced, so it takes the larger of two floats as
     # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call.
-    gap_l, cost_l, kind_l, wait_l, nowait_l = gap.tolist(), cost.tolist(), g.a_kind.tolist(), g.a_wait.tolist(), no_wait.tolist()
-    oact, ostream, odelay = g.o_action.tolist(), g.o_stream.tolist(), g.o_delay.tolist()
-    oact.append(-1)  # a sentinel no action matches: the op loop needs no bound check
+    gap_l, cost_l, nowait_l = gap.tolist(), cost.tolist(), no_wait.tolist()
+    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll = _fixed_lists(g)
     dur_l, drop_l, packed_l = dur.tolist(), drop.tolist(), packed.tolist()
     deps = g.o_deps
     lat = g.launch_latency_ns
-    acoll = g.a_coll.tolist() if g.a_coll is not None else [-1] * n_act
-    ocoll = g.o_coll.tolist() if g.o_coll is not None else [-1] * n_op
     transfer = g.c_transfer if edit is None or edit.c_transfer is None else g.c_transfer | edit.c_transfer
     arrivals: dict[int, float] = {}
     lo = float(g.lo)
