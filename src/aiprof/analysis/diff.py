@@ -114,8 +114,8 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         uk, inv = npx.unique(key, return_inverse=True)
         t = np.bincount(inv, weights=g["dur"][ok])
         c = np.bincount(inv)
-        for k, tt, cc in zip(uk, t, c):
-            profs[int(k // n)].items[(kind, names.labels[k % n])] = Item(kind, names.labels[k % n], int(tt), int(cc))
+        for k, tt, cc in zip(uk.tolist(), t.tolist(), c.tolist()):  # lists: no numpy scalar per item
+            profs[k // n].items[(kind, names.labels[k % n])] = Item(kind, names.labels[k % n], int(tt), int(cc))
     # gaps: by innermost host node's name
     labels = tree.labels + [NO_HOST]
     nl = len(labels)
@@ -131,12 +131,12 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         first = order[np.concatenate([[0], np.nonzero(np.diff(inv[order]))[0] + 1])]
         rep = gaps.node[sel][first]
         calls = _calls_per_step(tree, steps, wanted)
-        for k, tt, r in zip(uk, t, rep):
-            s, cd = int(k // nl), int(k % nl)
+        for k, tt, r in zip(uk.tolist(), t.tolist(), rep.tolist()):
+            s, cd = k // nl, k % nl
             name = item_name(labels[cd])
             hk = KIND_NAMES[tree.kind[r]] if r >= 0 else ""
-            stack = tree.stack(int(r)) if r >= 0 else []
-            site = tree.user_site(int(r)) if r >= 0 else ""
+            stack = tree.stack(r) if r >= 0 else []
+            site = tree.user_site(r) if r >= 0 else ""
             prev = profs[s].items.get(("gap", name))
             if prev is not None:  # two labels that differ only by an address
                 prev.time_ns += int(tt)
@@ -155,9 +155,13 @@ def step_profiles(rt: RankTrace, steps: Steps | None = None, which: list[int] | 
         cnt = np.bincount(inv)
         kind_of = np.zeros(len(tree.labels), dtype=np.int8)
         kind_of[tree.code] = tree.kind
-        for k, ii, cc in zip(uk, incl, cnt):
-            s, cd = int(k // len(tree.labels)), int(k % len(tree.labels))
-            key2 = (KIND_NAMES[kind_of[cd]], item_name(tree.labels[cd]))
+        kinds = kind_of.tolist()
+        host_key: dict[int, tuple[str, str]] = {}  # by label code: the steps share their labels
+        for k, ii, cc in zip(uk.tolist(), incl.tolist(), cnt.tolist()):
+            s, cd = k // len(tree.labels), k % len(tree.labels)
+            key2 = host_key.get(cd)
+            if key2 is None:
+                key2 = host_key[cd] = (KIND_NAMES[kinds[cd]], item_name(tree.labels[cd]))
             pi, pc = profs[s].host.get(key2, (0, 0))
             profs[s].host[key2] = (pi + int(ii), pc + int(cc))
     return [profs[i] for i in which]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.flops import ATTENTION_BACKWARD_FACTOR, estimate_flops
 from aiprof.analysis.kernels import is_tensor_core_kernel, kernel_family
 from aiprof.analysis.rankdiff import parse_dims
@@ -165,7 +166,7 @@ def roofline(rt: RankTrace) -> Roofline:
     pos = np.clip(np.searchsorted(se, kext), 0, max(len(se) - 1, 0))
     hit = (se[pos] == kext) & (kext >= 0) & ~comm
     rows, d, codes = order[pos][hit], kdur[hit], kn.codes[hit]
-    call_rows, inv = np.unique(rows, return_inverse=True)
+    call_rows, inv = npx.unique(rows, return_inverse=True)
     call_ns = np.bincount(inv, weights=d, minlength=len(call_rows))
     by_len = np.lexsort((d, inv))  # per call, its kernels shortest first: the last is the longest
     last = np.r_[np.nonzero(np.diff(inv[by_len]))[0], len(by_len) - 1] if len(by_len) else by_len
@@ -175,8 +176,9 @@ def roofline(rt: RankTrace) -> Roofline:
     family_of: dict[int, str] = {}  # by kernel name code: a few names recur over many calls
     fam: dict[str, dict] = {}
     covered = 0.0
-    for r, ns, kc in zip(call_rows.tolist(), call_ns.tolist(), call_kernel.tolist()):
-        key = (int(names.codes[r]), int(dims.codes[r]), int(types.codes[r]))
+    # each call's (name, dims, types) codes as tuples of ints: no numpy scalar per call
+    call_keys = zip(names.codes[call_rows].tolist(), dims.codes[call_rows].tolist(), types.codes[call_rows].tolist())
+    for key, ns, kc in zip(call_keys, call_ns.tolist(), call_kernel.tolist()):
         if key not in work_cache:
             work_cache[key] = op_work(names.labels[key[0]], dims.labels[key[1]], types.labels[key[2]])
         w = work_cache[key]
