@@ -165,16 +165,16 @@ class HostTree:
         return got
 
     def _outermost_by_name(self) -> np.ndarray:
+        # one level up per round for the nodes still searched (compacted: no full-size pass)
         dup = np.zeros(len(self), dtype=bool)
-        anc = self.parent.copy()
-        active = anc >= 0
-        while active.any():
-            idx = np.nonzero(active)[0]
-            a = anc[idx]
-            dup[idx] |= self.code[a] == self.code[idx]
-            nxt = self.parent[a]
-            anc[idx] = nxt
-            active[idx] = (nxt >= 0) & ~dup[idx]
+        idx = np.nonzero(self.parent >= 0)[0]
+        anc, code = self.parent[idx], self.code[idx]
+        while len(idx):
+            same = self.code[anc] == code
+            dup[idx[same]] = True
+            anc = self.parent[anc]
+            keep = (anc >= 0) & ~same
+            idx, anc, code = idx[keep], anc[keep], code[keep]
         return ~dup
 
 

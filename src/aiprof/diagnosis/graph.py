@@ -326,7 +326,7 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
         o_dur = np.zeros(0)
     o_end = o_ts + o_dur.astype(np.int64)
     n_act, n_op = len(a_ts), len(o_dur)
-    a_kind[np.unique(o_action)] = LAUNCH
+    a_kind[o_action] = LAUNCH
 
     # which op each blocking call waited for
     a_wait = np.full(n_act, -1, np.int64)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.diagnosis.graph import COLL_END, COLL_START, END, STEP, Graph
 
 
@@ -132,7 +133,7 @@ def gpu_floor_ns(g: Graph, edit: Edit | None = None) -> float:
         keep &= g.o_action < end[0]
     if not keep.any():
         return 0.0
-    streams, inv = np.unique(g.o_stream[keep], return_inverse=True)
+    streams, inv = npx.unique(g.o_stream[keep], return_inverse=True)
     return float(np.bincount(inv, weights=dur[keep], minlength=len(streams)).max())
 
 
