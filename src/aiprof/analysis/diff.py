@@ -39,7 +39,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 def item_name(name: str) -> str:
     """The name an item is matched by across steps and captures."""
-    return _ADDRESS.sub("", name)
+    return _ADDRESS.sub("", name) if " at 0x" in name else name  # the test: a fraction of the regex's cost
 
 
 @dataclass
