@@ -53,7 +53,15 @@ class GpuUnions:
 
 
 def gpu_unions(rt: RankTrace) -> GpuUnions:
-    """Unions of the rank's compute, communication and memory activity on the GPU."""
+    """Unions of the rank's compute, communication and memory activity on the GPU (cached on
+    the rank object: a rank's analyses ask for them a dozen times)."""
+    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    if "gpu_unions" not in cache:
+        cache["gpu_unions"] = _gpu_unions(rt)
+    return cache["gpu_unions"]
+
+
+def _gpu_unions(rt: RankTrace) -> GpuUnions:
     k = rt.kernels
     m = rt.memops
     if len(k):

@@ -77,23 +77,44 @@ class HostTree:
         np.add.at(out, self.seg_top[ok], (self.seg_end - self.seg_start)[ok])
         return out
 
+    def _lists(self) -> tuple[list[int], list[int], list[int]]:
+        """parent, kind and code as lists, built once: the Python walks below index them per
+        node, and a list index costs a fraction of a numpy scalar's."""
+        got = self.__dict__.get("_as_lists")
+        if got is None:
+            got = self.__dict__["_as_lists"] = (self.parent.tolist(), self.kind.tolist(), self.code.tolist())
+        return got
+
     def ancestors(self, node: int) -> list[int]:
         """The node and its ancestors, innermost first (a short Python walk, for reporting)."""
+        parent = self._lists()[0]
         out = []
+        node = int(node)
         while node >= 0:
-            out.append(int(node))
-            node = int(self.parent[node])
+            out.append(node)
+            node = parent[node]
         return out
 
     def stack(self, node: int, kinds: tuple[int, ...] = (PYTHON,)) -> list[str]:
         """Names of the node's ancestors of the given kinds, outermost first."""
-        return [self.name(n) for n in reversed(self.ancestors(node)) if self.kind[n] in kinds]
+        parent, kind, code = self._lists()
+        out = []
+        node = int(node)
+        while node >= 0:
+            if kind[node] in kinds:
+                out.append(self.labels[code[node]])
+            node = parent[node]
+        out.reverse()
+        return out
 
     def user_site(self, node: int) -> str:
         """The nearest ancestor Python frame that is user code (not a library), or ""."""
-        for n in self.ancestors(node):
-            if self.kind[n] == PYTHON and not is_library_frame(self.name(n)):
-                return self.name(n)
+        parent, kind, code = self._lists()
+        node = int(node)
+        while node >= 0:
+            if kind[node] == PYTHON and not is_library_frame(name := self.labels[code[node]]):
+                return name
+            node = parent[node]
         return ""
 
     def nearest(self, nodes: np.ndarray, kind: int) -> np.ndarray:
@@ -110,6 +131,20 @@ class HostTree:
             active[idx] = ~hit & (nxt >= 0)
         return out
 
+    def outermost(self, nodes: np.ndarray, kind: int) -> np.ndarray:
+        """For each node, itself or its outermost ancestor of ``kind``; -1 when none (vectorised)."""
+        cur = np.asarray(nodes, dtype=np.int64).copy()
+        out = np.full(len(cur), -1, dtype=np.int64)
+        idx = np.nonzero(cur >= 0)[0]
+        while len(idx):  # one level up per round: a later hit is further out
+            c = cur[idx]
+            hit = self.kind[c] == kind
+            out[idx[hit]] = c[hit]
+            nxt = self.parent[c]
+            cur[idx] = nxt
+            idx = idx[nxt >= 0]
+        return out
+
     def innermost_at(self, ts: np.ndarray) -> np.ndarray:
         """Innermost main-thread node open at each timestamp, or -1."""
         ts = np.asarray(ts, dtype=np.int64)
@@ -121,17 +156,25 @@ class HostTree:
         return np.where(ok, self.seg_top[ic], -1)
 
     def outermost_by_name(self) -> np.ndarray:
-        """True for nodes with no ancestor of the same name (so recursion is not counted twice)."""
+        """True for nodes with no ancestor of the same name (so recursion is not counted twice);
+        computed once per tree, read-only."""
+        got = self.__dict__.get("_outermost_by_name")
+        if got is None:
+            got = self.__dict__["_outermost_by_name"] = self._outermost_by_name()
+            got.flags.writeable = False
+        return got
+
+    def _outermost_by_name(self) -> np.ndarray:
+        # one level up per round for the nodes still searched (compacted: no full-size pass)
         dup = np.zeros(len(self), dtype=bool)
-        anc = self.parent.copy()
-        active = anc >= 0
-        while active.any():
-            idx = np.nonzero(active)[0]
-            a = anc[idx]
-            dup[idx] |= self.code[a] == self.code[idx]
-            nxt = self.parent[a]
-            anc[idx] = nxt
-            active[idx] = (nxt >= 0) & ~dup[idx]
+        idx = np.nonzero(self.parent >= 0)[0]
+        anc, code = self.parent[idx], self.code[idx]
+        while len(idx):
+            same = self.code[anc] == code
+            dup[idx[same]] = True
+            anc = self.parent[anc]
+            keep = (anc >= 0) & ~same
+            idx, anc, code = idx[keep], anc[keep], code[keep]
         return ~dup
 
 
@@ -148,10 +191,14 @@ def _nest(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
     depth = np.zeros(n, dtype=np.int64)
     parent = np.full(n, -1, dtype=np.int64)
     for _ in range(_MAX_CLIP_ROUNDS):
-        depth = np.maximum(idx - np.searchsorted(np.sort(end), start, side="right"), 0)
-        key = depth * n + idx
-        sk = np.sort(key)
-        pos = np.searchsorted(sk, (depth - 1) * n + idx) - 1
+        # stable sorts: the ends and the depths come in long sorted runs, which timsort merges
+        # (4x faster than the default quicksort here; the sorted values are the same)
+        depth = np.maximum(idx - np.searchsorted(np.sort(end, kind="stable"), start, side="right"), 0)
+        by_depth = np.argsort(depth, kind="stable")
+        sk = depth[by_depth] * n + by_depth  # the keys depth * n + idx, sorted
+        pos = np.empty(n, dtype=np.int64)
+        pos[by_depth] = np.searchsorted(sk, ((depth - 1) * n + idx)[by_depth])  # queries in order: faster
+        pos -= 1
         cand = sk[np.maximum(pos, 0)]
         ok = (depth > 0) & (pos >= 0) & (cand // max(n, 1) == depth - 1)
         parent = np.where(ok, cand % max(n, 1), -1)
@@ -164,7 +211,6 @@ def _nest(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
             parent[orphan] = -1
             break
         end[bad] = pe[bad]
-    return depth, parent, end
     return depth, parent, end
 
 
@@ -301,9 +347,24 @@ def _point_in(u: Union, t: np.ndarray) -> np.ndarray:
 
 
 def gpu_gaps(rt: RankTrace, steps: Steps, tree: HostTree | None = None, busy: Union | None = None) -> Gaps:
-    """Cut every step's GPU-idle time into segments attributed to the host's innermost event."""
+    """Cut every step's GPU-idle time into segments attributed to the host's innermost event.
+    With the rank's own tree and GPU union (the default), cached on the rank by the steps'
+    windows: the report, the class ratios and the step diff each ask for the same steps'."""
     tree = tree or host_tree(rt)
     busy = busy if busy is not None else gpu_busy(rt)
+    if tree is not host_tree(rt) or busy is not gpu_busy(rt):
+        return _gpu_gaps(rt, steps, tree, busy)
+    key = ("gpu_gaps", steps.start.dtype.str, steps.start.tobytes(), steps.end.dtype.str, steps.end.tobytes())
+    cache = analysis_cache(rt)
+    if key not in cache:
+        gaps = _gpu_gaps(rt, steps, tree, busy)
+        for a in (gaps.start, gaps.end, gaps.node, gaps.step, gaps.loading):
+            a.flags.writeable = False  # shared by every caller
+        cache[key] = gaps
+    return cache[key]
+
+
+def _gpu_gaps(rt: RankTrace, steps: Steps, tree: HostTree, busy: Union) -> Gaps:
     load = loading_union(rt)
     if not len(steps):
         z = np.zeros(0, dtype=np.int64)
@@ -311,7 +372,7 @@ def gpu_gaps(rt: RankTrace, steps: Steps, tree: HostTree | None = None, busy: Un
     lo, hi = int(steps.start.min()), int(steps.end.max())
     b = np.concatenate([tree.seg_start, tree.seg_end, busy.start, busy.end, load.start, load.end,
                         steps.start, steps.end])
-    b = npx.unique(b[(b >= lo) & (b <= hi)])
+    b = npx.unique_runs(b[(b >= lo) & (b <= hi)])  # sorted arrays end to end
     s, e = b[:-1], b[1:]
     step = steps.index_of(s)
     keep = (step >= 0) & ~_point_in(busy, s)

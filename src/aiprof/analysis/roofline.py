@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.flops import ATTENTION_BACKWARD_FACTOR, estimate_flops
 from aiprof.analysis.kernels import is_tensor_core_kernel, kernel_family
 from aiprof.analysis.rankdiff import parse_dims
@@ -165,26 +166,32 @@ def roofline(rt: RankTrace) -> Roofline:
     pos = np.clip(np.searchsorted(se, kext), 0, max(len(se) - 1, 0))
     hit = (se[pos] == kext) & (kext >= 0) & ~comm
     rows, d, codes = order[pos][hit], kdur[hit], kn.codes[hit]
-    call_rows, inv = np.unique(rows, return_inverse=True)
+    call_rows, inv = npx.unique(rows, return_inverse=True)
     call_ns = np.bincount(inv, weights=d, minlength=len(call_rows))
     by_len = np.lexsort((d, inv))  # per call, its kernels shortest first: the last is the longest
     last = np.r_[np.nonzero(np.diff(inv[by_len]))[0], len(by_len) - 1] if len(by_len) else by_len
     call_kernel = codes[by_len[last]]
     names, dims, types = o.strings("name"), o.strings("input_dims"), o.strings("input_types")
     work_cache: dict[tuple[int, int, int], tuple[float, float] | None] = {}
+    family_of: dict[int, str] = {}  # by kernel name code: a few names recur over many calls
     fam: dict[str, dict] = {}
     covered = 0.0
-    for r, ns, kc in zip(call_rows.tolist(), call_ns.tolist(), call_kernel.tolist()):
-        key = (int(names.codes[r]), int(dims.codes[r]), int(types.codes[r]))
+    # each call's (name, dims, types) codes as tuples of ints: no numpy scalar per call
+    call_keys = zip(names.codes[call_rows].tolist(), dims.codes[call_rows].tolist(), types.codes[call_rows].tolist())
+    for key, ns, kc in zip(call_keys, call_ns.tolist(), call_kernel.tolist()):
         if key not in work_cache:
             work_cache[key] = op_work(names.labels[key[0]], dims.labels[key[1]], types.labels[key[2]])
         w = work_cache[key]
         if w is None:
             continue
         covered += ns
-        kernel = kn.labels[kc]
-        f = fam.setdefault(kernel_family(kernel), {"calls": 0, "ns": 0.0, "flops": 0.0, "bytes": 0.0, "ops": {},
-                                                   "peak": _compute_peak(dev, kernel, types.labels[key[2]])})
+        family = family_of.get(kc)
+        if family is None:
+            family = family_of[kc] = kernel_family(kn.labels[kc])
+        f = fam.get(family)
+        if f is None:  # the family's compute roof: its first call's kernel and dtype
+            f = fam[family] = {"calls": 0, "ns": 0.0, "flops": 0.0, "bytes": 0.0, "ops": {},
+                               "peak": _compute_peak(dev, kn.labels[kc], types.labels[key[2]])}
         f["calls"] += 1
         f["ns"] += ns
         f["flops"] += w[0]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import KIND_NAMES as HOST_EVENT_KINDS
 from aiprof.analysis.hotspots import OP, PYTHON, RUNTIME
 from aiprof.analysis.kernels import kernel_family
@@ -128,13 +129,13 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
     # the op before each op on its stream (dropped ops never hold a stream)
     prev_on = np.full(n_o, -1, np.int64)
     last: dict[int, int] = {}
-    for j in range(n_o):
-        if drop[j]:
+    for j, s, dropped in zip(range(n_o), g.o_stream.tolist(), drop.tolist()):  # lists: no numpy scalar per op
+        if dropped:
             continue
-        s = int(g.o_stream[j])
         prev_on[j] = last.get(s, -1)
         last[s] = j
-    coll_start = {int(g.a_coll[i]): i for i in range(n_a) if g.a_kind[i] == COLL_START} if g.a_coll is not None else {}
+    opened = np.nonzero(g.a_kind[:n_a] == COLL_START)[0]
+    coll_start = dict(zip(g.a_coll[opened].tolist(), opened.tolist())) if g.a_coll is not None else {}
     kinds: list[int] = []
     idx: list[int] = []
     nss: list[float] = []
@@ -433,8 +434,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
     item_ref_a, item_kind_a = np.concatenate(item_ref).astype(np.int64), np.concatenate(item_kind).astype(np.int64)
     if not len(rows_a):
         return []
-    keys, first, inv = np.unique(rows_a, axis=0, return_index=True, return_inverse=True)
-    inv = inv.reshape(-1)
+    keys, first, inv = npx.unique_rows(rows_a)
     totals = np.bincount(inv, weights=item_ns_a, minlength=len(keys))
     step_of_action = np.cumsum(g.a_kind == STEP) - 1  # STEP markers open each step
     numbers = g.step_number
@@ -444,6 +444,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
     by_step = np.bincount(inv * n_steps + st, weights=item_ns_a, minlength=len(keys) * n_steps).reshape(len(keys), n_steps)
     order = np.argsort(inv, kind="stable")
     bounds = np.searchsorted(inv[order], np.arange(len(keys) + 1))
+    step_numbers = numbers.tolist()
     memo: dict = {}
     out = []
     for u in range(len(keys)):
@@ -461,7 +462,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
         lf = Leaf("|".join(map(str, keys[u].tolist())), *label)
         lf.ns = float(totals[u])
         lf.loss = f.has_gpu and kind in LOSS_KINDS
-        lf.by_step_ns = {int(numbers[s_]): float(v) for s_, v in enumerate(by_step[u]) if v and len(numbers)}
+        lf.by_step_ns = {step_numbers[s_]: v for s_, v in enumerate(by_step[u].tolist()) if v} if len(numbers) else {}
         if kind in (HOST, CALL, LATENCY):  # what a cause may claim (CPU-only ranks too)
             mine = order[bounds[u]:bounds[u + 1]]
             if kind == HOST:

@@ -34,7 +34,7 @@ from aiprof.diagnosis.model import (
     severity_of,
 )
 from aiprof.diagnosis.profiler_cost import DEFAULT, ProfilerCost
-from aiprof.diagnosis.replay import Edit, Trace, combine, gpu_floor_ns, replay
+from aiprof.diagnosis.replay import Edit, ReplayResult, Trace, combine, gpu_floor_ns, replay
 from aiprof.diagnosis.symptoms import completion_us, rank_symptoms, slow_step_mask
 from aiprof.trace.store import RankTrace
 
@@ -105,13 +105,16 @@ class Pricer:
     causes of one rank are priced together (:meth:`price_jointly`): each reports its marginal
     saving, so that they add up to what fixing them all saves (docs/findings.md, "Pricing")."""
 
-    def __init__(self, facts: list[RankFacts], coupled: bool, target_ns: float | None = None) -> None:
+    def __init__(self, facts: list[RankFacts], coupled: bool, target_ns: float | None = None,
+                 joint: dict[int, ReplayResult] | None = None) -> None:
         """``target_ns``: the job's unprofiled step its ranks were fitted to (job.settle), when
-        the ranks in hand are not all of them (default: the median of theirs)."""
+        the ranks in hand are not all of them (default: the median of theirs). ``joint``: the
+        joint replay of ``facts`` as they are, when the caller has just made it (job.settle
+        sets it as their baselines): not replayed again."""
         self.facts = facts
         self.coupled = coupled and len(facts) <= JOINT_MAX_RANKS
         self.target_ns = (target_ns or unprofiled_target_ns([f.unprofiled_step_ns for f in facts])) if coupled else None
-        res = joint_replay(facts) if self.coupled else {}
+        res = (joint if joint is not None else joint_replay(facts)) if self.coupled else {}
         self._job_base = job_step_ns(res)
         self._job_excess = unprofiled_excess_ns(facts, res, self.target_ns) if self.coupled else 0.0
         # (rank, the edits' ids) -> (the edits, saving ns, saving by step): the stand-alone and

@@ -326,7 +326,7 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
         o_dur = np.zeros(0)
     o_end = o_ts + o_dur.astype(np.int64)
     n_act, n_op = len(a_ts), len(o_dur)
-    a_kind[np.unique(o_action)] = LAUNCH
+    a_kind[o_action] = LAUNCH
 
     # which op each blocking call waited for
     a_wait = np.full(n_act, -1, np.int64)
@@ -371,18 +371,23 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
     o_deps: dict = {}
     if n_op:
         wev = np.nonzero(np.array([s.startswith(("cudaStreamWaitEvent", "cuStreamWaitEvent")) for s in labels] + [False])[code])[0]
+        # each stream's ops in issue order (o_action is sorted): the ops issued before a wait
+        # on a stream are a prefix of its list
+        stream_ops = [(s, np.nonzero(o_stream == s)[0]) for s in np.unique(o_stream).tolist()]
         for i in wev:
             j = np.searchsorted(o_action, i, side="right")
             if j >= n_op:
                 continue
-            before = np.nonzero((o_action[:j] < i) & (o_stream[:j] != o_stream[j]))[0]
+            issued = np.searchsorted(o_action, i, side="left")  # the ops of the calls before the wait
             deps = []
-            for s in np.unique(o_stream[before]):
+            for s, on in stream_ops:
+                if s == o_stream[j]:
+                    continue
                 # the event was recorded after some op of that stream: the latest one issued
                 # before the wait that had ended when this op started (an event recorded after
                 # an earlier op, with later work already queued behind it, is the common case:
                 # DDP copies bucket 1 back while bucket 2's all-reduce runs)
-                on_s = before[o_stream[before] == s]
+                on_s = on[:np.searchsorted(on, issued)]
                 done = on_s[o_end[on_s] <= o_ts[j] + SYNC_CLOCK_TOL_NS]
                 if len(done):
                     deps.append(int(done[-1]))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.diagnosis.graph import COLL_END, COLL_START, END, STEP, Graph
 
 
@@ -132,7 +133,7 @@ def gpu_floor_ns(g: Graph, edit: Edit | None = None) -> float:
         keep &= g.o_action < end[0]
     if not keep.any():
         return 0.0
-    streams, inv = np.unique(g.o_stream[keep], return_inverse=True)
+    streams, inv = npx.unique(g.o_stream[keep], return_inverse=True)
     return float(np.bincount(inv, weights=dur[keep], minlength=len(streams)).max())
 
 
@@ -154,6 +155,22 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
         return done.value
 
 
+def _fixed_lists(g: Graph) -> tuple[list, ...]:
+    """The graph's arrays no edit changes, as the lists :func:`simulate` indexes, made once per
+    graph (it is replayed once per what-if priced); kept with the arrays they were made from, so
+    a graph given new arrays gets new lists. ``o_action``'s list ends with a sentinel -1."""
+    arrays = (g.a_kind, g.a_wait, g.o_action, g.o_stream, g.o_delay, g.a_coll, g.o_coll)
+    hit = g.__dict__.get("_fixed_lists")
+    if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
+        oact = g.o_action.tolist()
+        oact.append(-1)  # a sentinel no action matches: the op loop needs no bound check
+        lists = (g.a_kind.tolist(), g.a_wait.tolist(), oact, g.o_stream.tolist(), g.o_delay.tolist(),
+                 g.a_coll.tolist() if g.a_coll is not None else [-1] * g.n_actions,
+                 g.o_coll.tolist() if g.o_coll is not None else [-1] * g.n_ops)
+        hit = g.__dict__["_fixed_lists"] = (arrays, lists)
+    return hit[1]
+
+
 def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
              op_ends: list | None = None, trace: Trace | None = None
              ) -> Generator[tuple[int, float], float, ReplayResult]:
@@ -172,15 +189,23 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     packed = edit.packed if edit is not None and edit.packed is not None else np.zeros(n_op, dtype=bool)
     no_wait = edit.no_wait if edit is not None and edit.no_wait is not None else np.zeros(n_act, dtype=bool)
     pgap = edit.packed_gap_ns if edit is not None else 0.0
-    # plain lists: the loop below indexes them once per event
-    gap_l, cost_l, kind_l, wait_l, nowait_l = gap.tolist(), cost.tolist(), g.a_kind.tolist(), g.a_wait.tolist(), no_wait.tolist()
-    oact, ostream, odelay = g.o_action.tolist(), g.o_stream.tolist(), g.o_delay.tolist()
+    # plain lists: the loop below indexes them once per event. The loop runs once per host action
+    # and GPU op for every what-if priced, so it takes the larger of two floats as
+    # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call.
+    gap_l, cost_l, nowait_l = gap.tolist(), cost.tolist(), no_wait.tolist()
+    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll = _fixed_lists(g)
     dur_l, drop_l, packed_l = dur.tolist(), drop.tolist(), packed.tolist()
     deps = g.o_deps
     lat = g.launch_latency_ns
-    acoll = g.a_coll.tolist() if g.a_coll is not None else [-1] * n_act
-    ocoll = g.o_coll.tolist() if g.o_coll is not None else [-1] * n_op
     transfer = g.c_transfer if edit is None or edit.c_transfer is None else g.c_transfer | edit.c_transfer
+    # the bulk of ops: run, launched (not from a graph), no cross-stream wait, not a coupled
+    # collective; the loop takes a short path for them
+    plain = ~drop & ~packed
+    if deps:
+        plain[list(deps)] = False
+    if g.o_coll is not None and transfer:
+        plain &= ~np.isin(g.o_coll, list(transfer))
+    plain_l = plain.tolist()
     arrivals: dict[int, float] = {}
     lo = float(g.lo)
     gend = [0.0] * n_op
@@ -190,38 +215,56 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     busy = 0.0
     step_t: list[float] = []
     j = 0
-    for i in range(n_act):
-        start = cursor + gap_l[i]
-        start = max(start, prev_start)
+    for i, gap_i, k, cost_i, w in zip(range(n_act), gap_l, kind_l, cost_l, wait_l):
+        start = cursor + gap_i
+        if prev_start > start:
+            start = prev_start
         if starts is not None:
             starts.append(start)
         if trace is not None:
             trace.a_start.append(start)
             trace.a_end.append(start)  # set below once the action's end is known
-        k = kind_l[i]
-        if k == STEP:
-            step_t.append(start)
-        elif k == END:
-            cursor = max(cursor, start)
-            break
-        elif k == COLL_START:
-            arrivals[acoll[i]] = start
-        elif k == COLL_END:
-            c = acoll[i]
-            if nowait_l[i]:  # the fix skips this collective
+        if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
+            if k == STEP:
+                step_t.append(start)
+            elif k == END:
+                if start > cursor:
+                    cursor = start
+                break
+            elif k == COLL_START:
+                arrivals[acoll[i]] = start
+            elif k == COLL_END:
+                c = acoll[i]
+                if nowait_l[i]:  # the fix skips this collective
+                    prev_start = start
+                    continue
+                arr = arrivals.get(c, start)
+                latest = (yield c, arr) if c in transfer else arr
+                done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
+                end = done if done > start else start
+                if trace is not None:
+                    trace.a_end[-1] = end
+                    trace.c_latest[c] = latest
+                if end > cursor:
+                    cursor = end
                 prev_start = start
                 continue
-            arr = arrivals.get(c, start)
-            latest = (yield c, arr) if c in transfer else arr
-            done = max(arr, latest) + transfer.get(c, 0.0)
-            end = max(start, done)
-            if trace is not None:
-                trace.a_end[-1] = end
-                trace.c_latest[c] = latest
-            cursor = max(cursor, end)
-            prev_start = start
-            continue
-        while j < n_op and oact[j] == i:
+        while oact[j] == i:
+            if plain_l[j]:  # the general path below, less its tests
+                s = ostream[j]
+                tail = tails.get(s, -1e30)
+                launched = start + lat
+                ready = (launched if launched > tail else tail) + odelay[j]
+                if trace is not None:
+                    trace.o_ready.append(ready)
+                e = ready + dur_l[j]
+                tails[s] = e
+                gend[j] = e
+                busy += dur_l[j]
+                if e > gpu_end:
+                    gpu_end = e
+                j += 1
+                continue
             if drop_l[j]:
                 gend[j] = start
                 if trace is not None:
@@ -231,13 +274,17 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
             s = ostream[j]
             tail = tails.get(s, -1e30)
             if packed_l[j]:
-                ready = max(tail + pgap, start)
+                follows = tail + pgap
+                ready = start if start > follows else follows
             else:
-                ready = max(tail, start + lat)
+                launched = start + lat
+                ready = launched if launched > tail else tail
                 dl = deps.get(j)
                 if dl:
                     for d in dl:
-                        ready = max(ready, gend[d])
+                        e = gend[d]
+                        if e > ready:
+                            ready = e
                 ready += odelay[j]
             c = ocoll[j]
             if trace is not None:
@@ -247,21 +294,22 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                 latest = yield c, ready
                 if trace is not None:
                     trace.c_latest[c] = latest
-                e = max(ready, latest) + transfer[c]
+                e = (latest if latest > ready else ready) + transfer[c]
             else:
                 e = ready + dur_l[j]
             tails[s] = e
             gend[j] = e
             busy += dur_l[j]
-            gpu_end = max(gpu_end, e)
+            if e > gpu_end:
+                gpu_end = e
             j += 1
-        end = start + cost_l[i]
-        w = wait_l[i]
+        end = start + cost_i
         if w >= 0 and not nowait_l[i] and gend[w] > start:
-            end = gend[w] + cost_l[i]
+            end = gend[w] + cost_i
         if trace is not None:
             trace.a_end[-1] = end
-        cursor = max(cursor, end)
+        if end > cursor:
+            cursor = end
         prev_start = start
     if op_ends is not None:
         op_ends.extend(gend)

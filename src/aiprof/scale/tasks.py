@@ -111,20 +111,27 @@ def ingest_rank(source: str, index: int, use_cache: bool = True) -> Ingested:
                     collectives=rc, comm_end=np.asarray(comm_ends(rt, rc)), unprofiled_ns=un * 1e6 if un else None)
 
 
-# The partner rank's facts, per worker process: every task of one analysis pairs its rank with
-# the same partner, so a worker builds it once (keyed by the analysis's token and the rank).
+# The partner ranks' facts, per worker process, keyed by the analysis's token and the rank, most
+# recently used last. One analysis has two partners (job_report.partners: the slow rank for every
+# other rank, a typical rank for the slow one) and a worker's tasks switch between them, so one
+# entry would rebuild a partner at each switch. Entries of an earlier analysis are dropped first:
+# a worker holds at most PARTNER_CACHE_SIZE ranks' facts.
+PARTNER_CACHE_SIZE = 2
 _PARTNER: dict = {}
 
 
 def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> RankFacts:
     """The partner rank's facts, as analysed (calibration undone from any earlier pairing)."""
     key = (token, inp.source, inp.index, entry, top)
-    hit = _PARTNER.get(key)
+    hit = _PARTNER.pop(key, None)
     if hit is None:
+        for old in [k for k in _PARTNER if k[0] != token]:
+            del _PARTNER[old]
+        while len(_PARTNER) >= PARTNER_CACHE_SIZE:  # evicted before the build: the bound holds throughout
+            del _PARTNER[next(iter(_PARTNER))]
         _, f = pipeline.analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns)
         hit = (f, f.graph.alpha, f.graph.beta, f.base, f.host_scale)
-        _PARTNER.clear()  # one analysis at a time per worker: keep one partner
-        _PARTNER[key] = hit
+    _PARTNER[key] = hit
     f, alpha, beta, base, scale = hit
     f.graph.deflate(alpha, beta)
     f.base, f.host_scale = base, scale
@@ -143,7 +150,7 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
     # agent's iterations has its own scale for it (engine.rank_facts): the pair's then
     target = None if any(q.steps.within for q in pair) else inp.job_unprofiled_ns
     settle(pair, target)
-    return rep, f, pair, Pricer(pair, True, target)
+    return rep, f, pair, Pricer(pair, True, target, {q.rank: q.base for q in pair})
 
 
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 from typing import Callable, NamedTuple, Optional
 
 import msgspec
@@ -271,13 +272,9 @@ class Builder:
             raise
 
     def _add(self, evs: list[Ev]) -> None:
-        buckets: dict[str, list[Ev]] = {}
+        buckets: defaultdict[str, list[Ev]] = defaultdict(list)  # kinds in order of first event
         for e in evs:
-            key = e.cat if e.ph == "X" else e.ph
-            b = buckets.get(key)
-            if b is None:
-                b = buckets[key] = []
-            b.append(e)
+            buckets[e.cat if e.ph == "X" else e.ph].append(e)
         for key, group in buckets.items():
             handler = _HANDLERS.get(key)
             if handler is not None:

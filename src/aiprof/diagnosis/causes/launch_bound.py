@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from aiprof import npx
 from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.diagnosis.causes.common import idle_claim, ms
 from aiprof.diagnosis.detector import Detector, Scope
@@ -75,15 +76,12 @@ def _outside_ops(f: RankFacts, acts: np.ndarray) -> list[tuple[str, int]]:
     """The outermost ops that make the region's launches, by launches (most first)."""
     tree = f.tree
     nodes = f.action_nodes()[acts]
+    top = tree.outermost(nodes[nodes >= 0], OP)
+    codes, n = npx.unique(tree.code[top[top >= 0]], return_counts=True)
     counts: dict[str, int] = {}
-    for n in nodes[nodes >= 0].tolist():
-        top = -1
-        for a in tree.ancestors(int(n)):
-            if tree.kind[a] == OP:
-                top = a
-        if top >= 0:
-            name = tree.name(top)
-            counts[name] = counts.get(name, 0) + 1
+    for c, k in zip(codes.tolist(), n.tolist()):
+        name = tree.labels[c]
+        counts[name] = counts.get(name, 0) + k
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
