@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -151,7 +152,9 @@ def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int,
             "phases": st.get("phases", {}), "driver": st.get("driver", {}), "stragglers_named": named,
             "top_cause": f"{top.get('code')}@{top.get('rank')} {100 * top.get('saving', {}).get('share', 0):.1f}%",
             "straggler_named": named == [straggler] and top.get("rank") == straggler,
-            "report_mb": round(report.stat().st_size / 1e6, 1)}
+            "report_mb": round(report.stat().st_size / 1e6, 1),
+            # the document, canonical: a faster aiprof must give the same report as its baseline
+            "report_sha": hashlib.sha256(json.dumps(rep, sort_keys=True).encode()).hexdigest()[:16]}
 
 
 def main() -> int:
@@ -202,10 +205,13 @@ def main() -> int:
                 print(f"  {label:14s}: FAILED {r['error']}", flush=True)
                 continue
             driver = "  ".join(f"{k[:-2]} {v:.2f}" for k, v in r["driver"].items())
+            same = [x["report_sha"] == r["report_sha"] for x in results[:-1]
+                    if x.get("ranks") == n and "report_sha" in x and x["aiprof"] != name]
+            label_same = f"  same report as the other aiprof: {all(same)}" if same else ""
             phases = "  ".join(f"{k} {v['wall_s']:.1f}/{v['cpu_s']:.0f}" for k, v in r["phases"].items())
             print(f"  {label:14s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
                   f"driver CPU {r['driver_cpu_s']:6.1f} s  work CPU {r['work_cpu_s']:7.1f} s  all CPU {r['all_cpu_s']:7.1f} s  "
-                  f"straggler named: {r['straggler_named']} ({r['top_cause']})  report {r['report_mb']} MB\n"
+                  f"straggler named: {r['straggler_named']} ({r['top_cause']})  report {r['report_mb']} MB{label_same}\n"
                   f"  {'':14s}  phases wall/CPU s: {phases}\n  {'':14s}  driver steps s: {driver or '-'}", flush=True)
         _rm_stores(d)
         if not args.keep:
