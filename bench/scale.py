@@ -157,6 +157,15 @@ def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int,
             "report_sha": hashlib.sha256(json.dumps(rep, sort_keys=True).encode()).hexdigest()[:16]}
 
 
+def _use(phase: dict, workers: int) -> str:
+    """How the phase used its workers: CPU in tasks, and time in tasks, as shares of the phase's
+    wall time on every worker (the rest: workers idle, starting or between tasks)."""
+    if "task_wall_s" not in phase or not phase["wall_s"]:
+        return ""
+    slots = phase["wall_s"] * workers
+    return f" (CPU {100 * phase['cpu_s'] / slots:.0f}%, in tasks {100 * phase['task_wall_s'] / slots:.0f}%)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--template", choices=sorted(TEMPLATES), default="ddp4")
@@ -208,7 +217,8 @@ def main() -> int:
             same = [x["report_sha"] == r["report_sha"] for x in results[:-1]
                     if x.get("ranks") == n and "report_sha" in x and x["aiprof"] != name]
             label_same = f"  same report as the other aiprof: {all(same)}" if same else ""
-            phases = "  ".join(f"{k} {v['wall_s']:.1f}/{v['cpu_s']:.0f}" for k, v in r["phases"].items())
+            phases = "  ".join(f"{k} {v['wall_s']:.1f}/{v['cpu_s']:.0f}" + _use(v, workers or cpus)
+                               for k, v in r["phases"].items())
             print(f"  {label:14s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
                   f"driver CPU {r['driver_cpu_s']:6.1f} s  work CPU {r['work_cpu_s']:7.1f} s  all CPU {r['all_cpu_s']:7.1f} s  "
                   f"straggler named: {r['straggler_named']} ({r['top_cause']})  report {r['report_mb']} MB{label_same}\n"

@@ -40,6 +40,7 @@ def test_ray_report_equals_the_in_process_one(ray_engine, ddp4_dir):
     assert got["causes"][0]["code"] == "STRAGGLER" and got["causes"][0]["rank"] == 2
     st = ray_engine.stats.by_phase
     assert st["ingest"]["tasks"] >= 4 and st["analyse"]["tasks"] >= 4 and st["stragglers"]["tasks"] >= 1
+    assert all(ph["task_wall_s"] > 0 for ph in st.values())  # each task's own wall time, where it ran
 
 
 @pytest.mark.parametrize("pair, code", [("accum2", "GRAD_ACCUM_ALLREDUCE"), ("slow_transport2", "SLOW_INTERCONNECT")])

@@ -65,10 +65,13 @@ class EngineStats:
     tasks: int = 0
     by_phase: dict = field(default_factory=dict)  # phase -> {"tasks", "cpu_s", "wall_s"[, "nodes"]}
 
-    def add(self, phase: str, cpu_s: float, node: str = "") -> None:
+    def add(self, phase: str, cpu_s: float, node: str = "", task_wall_s: float = 0.0) -> None:
         p = self.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})
         p["tasks"] += 1
         p["cpu_s"] += cpu_s
+        # a task's own wall time: above its CPU time it waited (I/O, or more runnable threads
+        # than cores); the phase's wall times its workers less this sum is their idle time
+        p["task_wall_s"] = p.get("task_wall_s", 0.0) + task_wall_s
         if node:  # a task retried elsewhere (its node lost) counts where it finally ran
             nodes = p.setdefault("nodes", {})
             nodes[node] = nodes.get(node, 0) + 1
@@ -85,9 +88,11 @@ class _Failed:
     exit_code: int
 
 
-def _timed(fn: Callable, args: tuple) -> tuple[object, float, str]:
-    """Run one task; return its result, the CPU seconds it took and the node it ran on."""
+def _timed(fn: Callable, args: tuple) -> tuple[object, float, str, float]:
+    """Run one task; return its result, the CPU seconds it took, the node it ran on and its
+    wall seconds."""
     os.environ["AIPROF_INGEST_WORKERS"] = "1"  # in a Ray worker: one task per CPU already
+    w0 = time.perf_counter()
     t0 = time.process_time()
     try:
         out = fn(*args)
@@ -99,7 +104,7 @@ def _timed(fn: Callable, args: tuple) -> tuple[object, float, str]:
 
         if ray.is_initialized():
             node = ray.get_runtime_context().get_node_id()
-    return out, time.process_time() - t0, node
+    return out, time.process_time() - t0, node, time.perf_counter() - w0
 
 
 class SerialEngine:
@@ -116,9 +121,9 @@ class SerialEngine:
             nodes: Sequence[str] | None = None) -> Iterator[tuple[int, object]]:
         t0 = time.perf_counter()
         for i, args in enumerate(calls):
-            c0 = time.process_time()
+            c0, w0 = time.process_time(), time.perf_counter()
             out = fn(*args)
-            self.stats.add(phase, time.process_time() - c0)
+            self.stats.add(phase, time.process_time() - c0, task_wall_s=time.perf_counter() - w0)
             if progress:
                 progress(phase, i + 1, len(calls))
             yield i, out
@@ -397,13 +402,13 @@ class RayEngine:
                     outs = ray.get(ready)
                 except ray.exceptions.RayTaskError as exc:
                     raise _unwrap(exc) from None
-                for ref, (out, cpu, node) in zip(ready, outs):
+                for ref, (out, cpu, node, wall) in zip(ready, outs):
                     i = refs.pop(ref)
                     if isinstance(out, _Failed):
                         err = AiprofError(out.message)
                         err.exit_code = out.exit_code
                         raise err
-                    self.stats.add(phase, cpu, node)
+                    self.stats.add(phase, cpu, node, wall)
                     self.nodes[i] = node
                     done_n += 1
                     if progress:
