@@ -205,7 +205,42 @@ def main() -> None:
         raw = next((x for x in rows if x["segment"] == "raw:" + name.split(":", 1)[-1]), None) if name.startswith("agent:") else None
         print(f"{name:16s} {row['step_ms']:9.3f} {row['ratio_vs_none']:7.4f}   {raw['ratio_vs_none'] if raw else '':>10}")
     print(f"after capture vs before (idle): {res['after_vs_idle_ratio']}")
+    res["traces"] = _trace_costs(out, levels, args.rounds)
+    with open(os.path.join(out, "overhead.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{'level':16s} {'trace MB gz':>11s} {'MB JSON':>8s} {'ingest CPU s':>12s}  (median over rounds; --no-cache ingest)")
+    for lv, t in res["traces"].items():
+        print(f"{lv:16s} {t['gz_mb']:11.2f} {t['json_mb']:8.1f} {t['ingest_cpu_s']:12.3f}")
     print("results:", os.path.join(out, "overhead.json"))
+
+
+def _trace_costs(out: str, levels: list[str], rounds: int) -> dict:
+    """Per level, what its agent captures cost after the job: the trace's size (gzipped and as
+    JSON) and aiprof's ingest of it (this process's CPU seconds, parsed afresh), median over rounds."""
+    import glob
+    import gzip
+
+    from aiprof.trace.store import ingest
+
+    os.environ["AIPROF_INGEST_WORKERS"] = "1"
+    first = glob.glob(os.path.join(out, "bench-r0-*", "**", "*.json.gz"), recursive=True)
+    if first:
+        ingest(first[0], 0, None, False)  # untimed: the first ingest pays the lazy imports
+    costs = {}
+    for lv in levels:
+        gz, raw, cpu = [], [], []
+        for r in range(rounds):
+            for f in glob.glob(os.path.join(out, f"bench-r{r}-{lv}", "**", "*.json.gz"), recursive=True):
+                gz.append(os.path.getsize(f) / 1e6)
+                with gzip.open(f) as fh:
+                    raw.append(len(fh.read()) / 1e6)
+                t = time.process_time()
+                ingest(f, 0, None, False)
+                cpu.append(time.process_time() - t)
+        if gz:
+            costs[lv] = {"gz_mb": statistics.median(gz), "json_mb": statistics.median(raw),
+                         "ingest_cpu_s": statistics.median(cpu), "traces": len(gz)}
+    return costs
 
 
 if __name__ == "__main__":
