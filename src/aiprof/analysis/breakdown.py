@@ -13,6 +13,7 @@ import numpy as np
 from aiprof.analysis.intervals import Union, union, union_of
 from aiprof.analysis.launch import launch_ts
 from aiprof.analysis.loading import loading_union
+from aiprof.analysis.memo import analysis_cache
 from aiprof.analysis.steps import Steps
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
@@ -55,7 +56,7 @@ class GpuUnions:
 def gpu_unions(rt: RankTrace) -> GpuUnions:
     """Unions of the rank's compute, communication and memory activity on the GPU (cached on
     the rank object: a rank's analyses ask for them a dozen times)."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     if "gpu_unions" not in cache:
         cache["gpu_unions"] = _gpu_unions(rt)
     return cache["gpu_unions"]

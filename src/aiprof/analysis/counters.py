@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof.analysis.memo import analysis_cache
 from aiprof.hardware import device as device_spec
 from aiprof.trace.pmclock import alignment_check
 from aiprof.trace.store import RankTrace
@@ -55,7 +56,7 @@ class PmSeries:
 
 def load_pm(rt: RankTrace) -> PmSeries | None:
     """The rank's PM samples (the first device's, which is the one the rank drives), or None."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     if "pm" in cache:
         return cache["pm"]
     t = rt.table("pm")

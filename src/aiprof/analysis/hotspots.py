@@ -29,6 +29,7 @@ from aiprof.analysis.loading import (  # noqa: F401 (re-exported)
     loading_union,
     main_tid,
 )
+from aiprof.analysis.memo import analysis_cache
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
@@ -231,11 +232,6 @@ def _timeline(start: np.ndarray, end: np.ndarray, depth: np.ndarray, parent: np.
     seg_s, seg_e, top = t[:-1], t[1:], top_after[:-1]
     keep = seg_e > seg_s
     return seg_s[keep], seg_e[keep], top[keep]
-
-
-def analysis_cache(rt: RankTrace) -> dict:
-    """Per-rank memo of derived structures (the tree, unions) shared by several analyses."""
-    return rt.__dict__.setdefault("_analysis_cache", {})
 
 
 def host_tree(rt: RankTrace) -> HostTree:

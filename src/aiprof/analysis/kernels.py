@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from aiprof import npx
+from aiprof.analysis.memo import analysis_cache
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
@@ -237,7 +238,7 @@ def kernel_precisions(rt: RankTrace) -> tuple[np.ndarray, np.ndarray]:
     point precision, else the precision its name states, else ``int`` when its op has only
     integer/boolean inputs. Sources: PRECISION_FROM_NAME, PRECISION_FROM_OP, PRECISION_UNKNOWN.
     Cached on the rank."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     if "kernel_precisions" in cache:
         return cache["kernel_precisions"]
     k, o = rt.kernels, rt.ops

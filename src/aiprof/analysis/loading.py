@@ -16,6 +16,7 @@ import numpy as np
 
 from aiprof import npx
 from aiprof.analysis.intervals import Union, union
+from aiprof.analysis.memo import analysis_cache
 from aiprof.trace.store import RankTrace
 
 # Frames from these places are library code: the "user site" of an event is the nearest
@@ -84,7 +85,7 @@ def main_tid(rt: RankTrace) -> int:
 
 def loading_union(rt: RankTrace) -> Union:
     """The training thread's time inside data-loading events (cached on the rank object)."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     if "loading_union" in cache:
         return cache["loading_union"]
     tid = main_tid(rt)

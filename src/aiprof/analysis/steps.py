@@ -24,6 +24,7 @@ import numpy as np
 
 from aiprof import npx
 from aiprof.analysis import iterations
+from aiprof.analysis.memo import analysis_cache
 from aiprof.trace.store import RankTrace
 
 _PROFILER_STEP = re.compile(r"^ProfilerStep#(\d+)$")
@@ -77,7 +78,7 @@ def _host_annotations(rt: RankTrace):
 def find_steps(rt: RankTrace, entry: str | None = None) -> Steps:
     """Find the rank's iterations; ``entry`` names a function/annotation marking one step
     (cached on the rank: every analysis asks)."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     key = ("steps", entry or "")
     if key not in cache:
         cache[key] = _find_steps(rt, entry)

@@ -32,8 +32,9 @@ from aiprof.analysis.hotspots import (
     host_tree,
 )
 from aiprof.analysis.launch import launch_rows
-from aiprof.analysis.steps import find_steps
+from aiprof.analysis.memo import analysis_cache
 from aiprof.analysis.nesting import nest
+from aiprof.analysis.steps import find_steps
 from aiprof.trace.store import RankTrace
 
 SOURCES = ("python", "ops", "runtime", "annotations", "kernels", "memops", "steps", "gpu_sync", "calls", "syscalls")
@@ -153,7 +154,7 @@ class _Labels:
 
 def build_index(rt: RankTrace) -> TimelineIndex:
     """Build the lanes of one rank (cached on the rank object)."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     if "timeline_index" in cache:
         return cache["timeline_index"]
     labels = _Labels()

@@ -14,6 +14,7 @@ import numpy as np
 
 from aiprof import npx
 from aiprof.analysis.hotspots import gpu_busy
+from aiprof.analysis.memo import analysis_cache
 from aiprof.trace import classify
 from aiprof.trace.hwcsv import hw_path_for
 from aiprof.trace.store import RankTrace
@@ -68,7 +69,7 @@ def hw_path(rt: RankTrace) -> str | None:
 def load_hw(rt: RankTrace) -> HwSamples | None:
     """The rank's hardware samples from the store's ``hw`` table, grouped per (device, metric);
     None when the capture has none."""
-    cache = rt.__dict__.setdefault("_analysis_cache", {})
+    cache = analysis_cache(rt)
     if "hw" in cache:
         return cache["hw"]
     h = rt.table("hw")

@@ -27,6 +27,7 @@ from aiprof.diagnosis.profiler_cost import DEFAULT, MIN_KEPT_SHARE, ProfilerCost
 from aiprof.trace import classify
 from aiprof.trace.store import RankTrace
 
+# the markers (STEP and after) come after the bulk kinds: replay.simulate tests `kind >= STEP` once
 OTHER, LAUNCH, SYNC, STEP, END, COLL_START, COLL_END = 0, 1, 2, 3, 4, 5, 6
 # CPU and GPU timestamps come from different clocks that CUPTI aligns to within microseconds:
 # a sync is taken to have waited for an op that ended at most this long after it returned.
