@@ -51,6 +51,8 @@ HEAD_STARTS = 2
 CLIENT_SERVER_PROCESS = "ray_client_server"
 # /proc/net/tcp's state of a listening socket.
 TCP_LISTEN = "0A"
+# gRPC's pthread_atfork handlers (grpc/doc/fork_support.md); see _env.
+GRPC_FORK_VAR = "GRPC_ENABLE_FORK_SUPPORT"
 RAY_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
 
@@ -65,6 +67,11 @@ def _env(home: Path, **extra: str) -> dict[str, str]:
     # process importing Ray): on CI's two busy cores that outlasted Ray's default patience (5 s,
     # doubled per retry, 3 tries), so a client that would have been served timed out.
     env.setdefault(engines.CLIENT_TIMEOUT_VAR, str(CLIENT_FIRST_WAIT_S))
+    # The head's Ray Client proxier forks+execs a server per client while its gRPC threads run; with
+    # gRPC's fork handlers on, about 1 spawn in 7 died ("Check failed: next_worker->state == KICKED",
+    # or epoll_wait EBADF), and the client timed out: Ray issue 63202. gRPC's own advice for a
+    # process that always execs after fork is to turn the handlers off.
+    env.setdefault(GRPC_FORK_VAR, "false")
     return env
 
 
@@ -160,6 +167,9 @@ class Head:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=KILL_WAIT_S)
+        # the head's logs stay beside head.log (pytest keeps its last tmp folders): a failure can be read
+        with contextlib.suppress(OSError):
+            shutil.copytree(self.temp / "session_latest" / "logs", self.log.with_name("logs"), symlinks=False)
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
