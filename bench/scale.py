@@ -115,16 +115,29 @@ def _rm_stores(d: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def _rm_results(d: Path) -> None:
+    """The per-rank results kept in the stores (scale.results), the stores themselves left."""
+    for p in d.glob("*.aiprof/results"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+# How a run finds what earlier runs left: nothing (every rank parsed and analysed), the stores
+# only (parsed once, analysed again: the results removed), or the stores and every result.
+COLD, STORES, RESULTS = "cold", "stores", "results"
+
+
 def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int, src: Path = ROOT / "src",
-        warm: bool = False) -> dict:
+        warm: str = COLD) -> dict:
     """`aiprof analyze` (imported from ``src``) on the capture in a fresh process; its figures.
-    Cold: every rank parsed again (no store from an earlier run, --no-cache); ``warm``: the stores
-    the previous run wrote are reused. The stores are left for the next run."""
+    ``warm``: COLD (no store from an earlier run, --no-cache), STORES (the stores the previous
+    run wrote, its results removed), RESULTS (both). What it writes is left for the next run."""
     stats, report = d / f"stats-{engine}.txt", d / f"report-{engine}.txt"
-    if not warm:
+    if warm == COLD:
         _rm_stores(d)
+    elif warm == STORES:
+        _rm_results(d)
     cmd = [sys.executable, "-c", "import sys; from aiprof.cli.main import main; sys.exit(main())", "analyze", str(d),
-           "--engine", engine, "--json", "--stats", str(stats)] + ([] if warm else ["--no-cache"])
+           "--engine", engine, "--json", "--stats", str(stats)] + (["--no-cache"] if warm == COLD else [])
     if workers and engine == "ray":
         cmd += ["--workers", str(workers)]
     env = dict(os.environ, AIPROF_PROGRESS="never", PYTHONPATH=os.pathsep.join(
@@ -178,8 +191,9 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the built captures (reused by the next run)")
     ap.add_argument("--compare", metavar="SRC", help="also run the aiprof imported from SRC (a checkout's src/, "
                     "e.g. `git worktree add` of the baseline), alternating with this one, labelled 'base'")
-    ap.add_argument("--warm", action="store_true", help="after the cold runs, one more Ray run of this aiprof "
-                    "reusing the stores they wrote (a second analysis of the same capture)")
+    ap.add_argument("--warm", action="store_true", help="after the cold runs, two more Ray runs of this aiprof: "
+                    "'stores' reads the stores of its cold run (results removed), 'results' also every "
+                    "per-rank result (a second analysis of the same capture)")
     args = ap.parse_args()
     work = Path(args.work)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -194,21 +208,23 @@ def main() -> int:
         print(f"\nN={n}: built {d} ({size / 1e6:.0f} MB gz) in {time.perf_counter() - t0:.0f} s; "
               f"straggler rank {straggler}", flush=True)
         srcs = [("this", ROOT / "src")] + ([("base", Path(args.compare))] if args.compare else [])
-        plan = [("ray", w, name, src, False) for w in sweep for name, src in srcs]
-        plan += [("local", None, name, src, False) for name, src in srcs]
+        plan = [("ray", w, name, src, COLD) for w in sweep for name, src in srcs]
+        plan += [("local", None, name, src, COLD) for name, src in srcs]
         if args.warm and sweep:
-            plan.append(("ray", sweep[-1], "this", ROOT / "src", True))
+            plan += [("ray", sweep[-1], "this", ROOT / "src", STORES), ("ray", sweep[-1], "this", ROOT / "src", RESULTS)]
+        last = None
         for engine, workers, name, src, warm in plan:
             if engine == "local" and n > args.local_max:
                 print(f"  local   : skipped (N > --local-max {args.local_max})")
                 continue
-            if warm:  # the stores of this aiprof's own cold run
+            if warm != COLD and last != ("this", engine):  # the stores of this aiprof's own cold run
                 run(d, engine, straggler, workers, args.timeout, src)
+            last = (name, engine)
             r = run(d, engine, straggler, workers, args.timeout, src, warm)
             r.update(ranks=n, template=args.template, gz_mb=round(size / 1e6), cpus=cpus, aiprof=name, warm=warm,
                      ray_workers=(workers or cpus) if engine == "ray" else None)
             results.append(r)
-            label = (f"{engine}/{workers or cpus}" if engine == "ray" else engine) + (" warm" if warm else "")
+            label = (f"{engine}/{workers or cpus}" if engine == "ray" else engine) + ("" if warm == COLD else f" {warm}")
             label += f" {name}" if args.compare else ""
             if "error" in r:
                 print(f"  {label:14s}: FAILED {r['error']}", flush=True)

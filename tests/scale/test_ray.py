@@ -74,7 +74,7 @@ import os, sys
 with open(sys.argv[1], "a") as f:
     f.write("ran\\n")
 from aiprof.cli.main import main
-rc = main(["analyze", sys.argv[2], "--engine", "ray", "--workers", "2", "--json", "--out", sys.argv[3],
+rc = main(["analyze", sys.argv[2], "--engine", "ray", "--workers", "2", "--no-cache", "--json", "--out", sys.argv[3],
            "--stats", sys.argv[4], "--progress-file", sys.argv[5]])
 print("rc", rc, file=sys.stderr)
 """
@@ -101,3 +101,33 @@ def test_cli_on_ray_never_reruns_the_callers_main(ddp4_dir, tmp_path):
     assert sum(st["driver"].values()) < st["wall_s"]
     assert json.loads(prog.read_text())["phases"] == {"starting ray": [1, 1], "ingest": [4, 4], "analyse": [4, 4],
                                                       "stragglers": [1, 1]}
+
+
+def test_cli_reads_kept_results_without_starting_ray(tmp_path):
+    """A second `aiprof analyze --engine ray` of an unchanged capture reads every rank's kept
+    results (scale.results): no task runs and the embedded Ray is never started (the progress
+    file has no "starting ray"); the report is the first run's, byte for byte."""
+    import shutil
+
+    from tests.conftest import DATA
+
+    cap = tmp_path / "cap"
+    cap.mkdir()
+    for r in range(4):
+        shutil.copy(DATA / f"ddp4_slow2_rank{r}.json.gz", cap)
+    runs = []
+    for n in range(2):
+        stats, prog = tmp_path / f"s{n}.json", tmp_path / f"p{n}.json"
+        p = subprocess.run([sys.executable, "-m", "aiprof", "analyze", str(cap), "--engine", "ray", "--workers", "2",
+                            "--json", "--stats", str(stats), "--progress-file", str(prog)],
+                           check=False, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append((p.stdout, json.loads(stats.read_text()), json.loads(prog.read_text())["phases"]))
+    (out1, st1, ph1), (out2, st2, ph2) = runs
+    assert ph1["starting ray"] == [1, 1] and {k: v["tasks"] for k, v in st1["phases"].items()} == \
+        {"ingest": 4, "analyse": 4, "stragglers": 1}
+    assert ph2 == {"ingest": [4, 4], "analyse": [4, 4], "stragglers": [1, 1]}
+    assert {k: (v["tasks"], v["reused"]) for k, v in st2["phases"].items()} == \
+        {"ingest": (0, 4), "analyse": (0, 4), "stragglers": (0, 1)}
+    assert st2["worker_cpu_s"] == 0
+    assert out2 == out1

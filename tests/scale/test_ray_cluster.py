@@ -209,7 +209,9 @@ def open_head(tmp_path_factory, token_home) -> Iterator[Head]:
 
 
 def _analyze(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiprof", "analyze", *args], env=env, capture_output=True,
+    """`aiprof analyze` with --no-cache: the tasks run on the head each time (another test's results
+    of the same traces, kept beside their stores, would otherwise be read instead)."""
+    return subprocess.run([sys.executable, "-m", "aiprof", "analyze", "--no-cache", *args], env=env, capture_output=True,
                           text=True, timeout=ANALYZE_TIMEOUT_S, check=False)
 
 

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--entry", metavar="NAME", help="function/annotation that marks one iteration "
                                                   "(when the trace has no ProfilerStep)")
     p.add_argument("--top", type=int, default=15, help="how many kernels to list (default 15)")
-    p.add_argument("--no-cache", action="store_true", help="re-parse even when a cached store exists")
+    p.add_argument("--no-cache", action="store_true",
+                   help="re-parse and re-analyse: ignore the stores and per-rank results of earlier runs")
     add_capture_option(p)
     p.add_argument("--engine", choices=engines.ENGINES, default="auto",
                    help=f"where the ranks are analysed: local (this process), ray (rank by rank on Ray), "
@@ -162,20 +163,18 @@ def run(args: argparse.Namespace) -> int:
         from aiprof.scale.job_report import build_job_report
 
         bar, update = _progress()
-        if pfile and kind == "ray":
-            pfile("starting ray", 0, 1)
+        # the embedded Ray starts with the first phase that has tasks to run (none when every
+        # result is kept from an earlier run): its start is a phase of the progress too
+        on_start = _both(update, pfile) if kind == "ray" else None
         t = time.perf_counter()
         with (_stdout_to_stderr() if kind == "ray" else contextlib.nullcontext()), \
-                engines.make(kind, args.cluster, args.workers) as eng:
-            driver["engine_start_s"] = time.perf_counter() - t
-            if pfile and kind == "ray":
-                pfile("starting ray", 1, 1)
-            if bar is not None:
-                with bar:
-                    report = build_job_report(files, eng, args.entry, args.top, not args.no_cache,
-                                              _both(update, pfile), driver)
-            else:
-                report = build_job_report(files, eng, args.entry, args.top, not args.no_cache, pfile, driver)
+                (bar if bar is not None else contextlib.nullcontext()), \
+                engines.make(kind, args.cluster, args.workers, on_start) as eng:
+            made_s = time.perf_counter() - t
+            eager_s = getattr(eng, "start_s", 0.0)  # a cluster is connected to by make itself
+            report = build_job_report(files, eng, args.entry, args.top, not args.no_cache,
+                                      _both(update, pfile), driver, reuse=True, keep=True)
+            driver["engine_start_s"] = made_s + getattr(eng, "start_s", 0.0) - eager_s
             t = time.perf_counter()
         driver["engine_stop_s"] = time.perf_counter() - t
         cap = None

@@ -54,6 +54,8 @@ DEFAULT_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")
 RAY_CLIENT_SCHEME = "ray://"
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
+# The phase Ray's start is reported as (progress file, bar).
+STARTING = "starting ray"
 
 
 @dataclass
@@ -65,8 +67,15 @@ class EngineStats:
     tasks: int = 0
     by_phase: dict = field(default_factory=dict)  # phase -> {"tasks", "cpu_s", "wall_s"[, "nodes"]}
 
+    def _phase(self, phase: str) -> dict:
+        return self.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})
+
+    def reused(self, phase: str, n: int) -> None:
+        """``n`` of the phase's results were read from an earlier run (scale.results): no task ran."""
+        self._phase(phase)["reused"] = n
+
     def add(self, phase: str, cpu_s: float, node: str = "", task_wall_s: float = 0.0) -> None:
-        p = self.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})
+        p = self._phase(phase)
         p["tasks"] += 1
         p["cpu_s"] += cpu_s
         # a task's own wall time: above its CPU time it waited (I/O, or more runnable threads
@@ -127,8 +136,7 @@ class SerialEngine:
             if progress:
                 progress(phase, i + 1, len(calls))
             yield i, out
-        self.stats.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})["wall_s"] += \
-            time.perf_counter() - t0
+        self.stats._phase(phase)["wall_s"] += time.perf_counter() - t0
 
     def close(self) -> None:
         pass
@@ -312,18 +320,45 @@ def _aiprof_path() -> str:
 
 class RayEngine:
     """Runs the tasks on Ray: a cluster when ``address`` (or $RAY_ADDRESS) names one, else a
-    local Ray that this engine starts and stops. ``cpus`` caps the local Ray's CPUs."""
+    local Ray that this engine starts and stops. ``cpus`` caps the local Ray's CPUs.
+
+    A named cluster is connected to at once (a wrong address or token is the first thing the user
+    hears of); the local Ray is started by the first phase that has tasks to run (about 6 s on 64
+    cores, 3-4 s on 2), so an analysis whose results are all kept (scale.results) starts none.
+    ``on_start(phase, done, total)`` hears of the start ("starting ray": 0 then 1 of 1)."""
 
     name = "ray"
 
-    def __init__(self, address: str | None = None, cpus: int | None = None) -> None:
+    def __init__(self, address: str | None = None, cpus: int | None = None,
+                 on_start: Progress | None = None) -> None:
         ray = self.ray = _import_ray()
         self.stats = EngineStats()
         self.owned = False
+        self.start_s = 0.0  # wall seconds this engine spent starting or connecting to Ray
+        self.nodes: dict[int, str] = {}
         self._remote = ray.remote(num_cpus=TASK_CPUS)(_timed)
-        if ray.is_initialized():
+        self._address = address or os.environ.get("RAY_ADDRESS") or None
+        self._cpus = cpus
+        self._on_start = on_start
+        self._started = ray.is_initialized()
+        if self._address and not self._started:
+            self._start()
+
+    def _start(self) -> None:
+        """Start the local Ray, or connect to the cluster (once)."""
+        if self._started:
             return
-        address = address or os.environ.get("RAY_ADDRESS") or None
+        self._started = True
+        t0 = time.perf_counter()
+        if self._on_start:
+            self._on_start(STARTING, 0, 1)
+        self._init(self._address, self._cpus)
+        self.start_s = time.perf_counter() - t0
+        if self._on_start:
+            self._on_start(STARTING, 1, 1)
+
+    def _init(self, address: str | None, cpus: int | None) -> None:
+        ray = self.ray
         # workers import aiprof from where this process does (an editable install, PYTHONPATH=src)
         path = os.pathsep.join(p for p in (_aiprof_path(), os.environ.get("PYTHONPATH", "")) if p)
         env = {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}
@@ -369,6 +404,7 @@ class RayEngine:
 
     @property
     def cpus(self) -> int:
+        self._start()
         return int(self.ray.cluster_resources().get("CPU", 1))
 
     def map(self, phase: str, fn: Callable, calls: Sequence[tuple], progress: Progress | None = None,
@@ -376,6 +412,9 @@ class RayEngine:
         """Submit every call; yield (index, result) as each completes. ``nodes``: the node each
         call should prefer (where its rank's store was written), if the cluster has several."""
         ray = self.ray
+        if not calls:
+            return
+        self._start()
         t0 = time.perf_counter()
         many_nodes = nodes is not None and len({n for n in nodes if n}) > 1
         refs = {}
@@ -417,8 +456,7 @@ class RayEngine:
         finally:
             for ref in pending:  # leaving early (an error, Ctrl-C): stop what is still queued
                 ray.cancel(ref, force=True)
-            self.stats.by_phase.setdefault(phase, {"tasks": 0, "cpu_s": 0.0, "wall_s": 0.0})["wall_s"] += \
-                time.perf_counter() - t0
+            self.stats._phase(phase)["wall_s"] += time.perf_counter() - t0
 
     def close(self) -> None:
         if self.owned:
@@ -484,6 +522,7 @@ def without_ray(n_files: int, cluster: str | None = None) -> str:
     return "serial"
 
 
-def make(engine: str, address: str | None = None, cpus: int | None = None) -> SerialEngine | RayEngine:
+def make(engine: str, address: str | None = None, cpus: int | None = None,
+         on_start: Progress | None = None) -> SerialEngine | RayEngine:
     """An engine for the per-rank analysis by name: "ray" or "serial"."""
-    return RayEngine(address, cpus) if engine == "ray" else SerialEngine()
+    return RayEngine(address, cpus, on_start) if engine == "ray" else SerialEngine()

@@ -36,6 +36,7 @@ from aiprof.diagnosis.job import coupling, unprofiled_target_ns
 from aiprof.errors import TraceError
 from aiprof.scale import tasks
 from aiprof.scale.engines import Progress, RayEngine, SerialEngine
+from aiprof.scale.results import Call, run_phase
 
 
 def _rank_view(d: dict) -> RankReport:
@@ -49,15 +50,23 @@ def _comm_us(d: dict) -> float:
 
 def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, entry: str | None = None,
                      top: int = 15, use_cache: bool = True, progress: Progress | None = None,
-                     timings: dict[str, float] | None = None) -> dict:
+                     timings: dict[str, float] | None = None, reuse: bool = False, keep: bool = False) -> dict:
     """The report (schema aiprof.report/2) of the ranks in ``files``, analysed on ``engine``.
-    ``timings``: filled with the driver's own steps' wall seconds (match, compare, assemble)."""
+    ``timings``: filled with the driver's own steps' wall seconds (match, compare, assemble).
+    ``reuse``: read each task's result kept by an earlier run where its inputs and the code are
+    unchanged (scale.results); ``keep``: keep the results computed (`aiprof analyze` keeps them
+    always and reads them unless --no-cache)."""
     clock = timings if timings is not None else {}
-    # 1. ingest
+    reuse = reuse and use_cache
+    # 1. ingest (a rank's summary, and each later result, is kept beside its store: reused while
+    # its inputs and the code are unchanged; see scale.results)
     ing: list[tasks.Ingested] = [None] * len(files)  # type: ignore[list-item]
-    for i, out in engine.map("ingest", tasks.ingest_rank, [(f, k, use_cache) for k, f in enumerate(files)], progress):
+    placed: dict[int, str] = {}
+    for i, out in run_phase(engine, "ingest", tasks.ingest_rank,
+                            [Call((f, k, use_cache), k, [f]) for k, f in enumerate(files)], reuse, keep, progress,
+                            placed=placed):
         ing[i] = out
-    nodes = [getattr(engine, "nodes", {}).get(i, "") for i in range(len(files))]
+    nodes = [placed.get(i, "") for i in range(len(files))]
     seen: dict[int, tasks.Ingested] = {}
     for x in ing:
         if x.rank in seen:
@@ -91,9 +100,12 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     asked = experimental_asked()  # read here: the workers do not share this process's environment
     # 3. analyse each rank
     res: list[tasks.Analysed] = [None] * len(ing)  # type: ignore[list-item]
-    calls = [(inputs[r], inputs.get(pick.get(r)), entry, top, token, coupled and r == ranks[0], len(ranks),
-              coupled, asked) for r in ranks]
-    for i, out in engine.map("analyse", tasks.analyse_rank, calls, progress, nodes):
+    calls = []
+    for r in ranks:
+        partner = inputs.get(pick.get(r))
+        named = (inputs[r], partner, entry, top, coupled and r == ranks[0], len(ranks), coupled, asked)
+        calls.append(Call((*named[:4], token, *named[4:]), (*named[:-1], sorted(asked)), _sources(inputs[r], partner)))
+    for i, out in run_phase(engine, "analyse", tasks.analyse_rank, calls, reuse, keep, progress, nodes):
         res[i] = out
     reports = [r.report for r in res]
     # 4. compare the ranks
@@ -110,12 +122,16 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     if cross and cross["stragglers"]:
         by_rank = {r.rank: r for r in res}
         evs = cross["stragglers"]
-        calls = [(ev, inputs[ev["straggler_rank"]], inputs.get(pick.get(ev["straggler_rank"])), inputs[ev["base_rank"]],
-                  entry, top, token,
-                  {w: by_rank[w].report["steps"] for w in ev.get("waiting_ranks", []) if w in by_rank},
-                  by_rank[ev["straggler_rank"]].causes, asked) for ev in evs]
+        calls = []
+        for ev in evs:
+            slow, partner, base = (inputs[ev["straggler_rank"]], inputs.get(pick.get(ev["straggler_rank"])),
+                                   inputs[ev["base_rank"]])
+            waiting = {w: by_rank[w].report["steps"] for w in ev.get("waiting_ranks", []) if w in by_rank}
+            named = (ev, slow, partner, base, entry, top, waiting, by_rank[ev["straggler_rank"]].causes, asked)
+            calls.append(Call((*named[:6], token, *named[6:]), (*named[:-1], sorted(asked)),
+                              _sources(slow, partner, base)))
         where = [nodes[ranks.index(ev["straggler_rank"])] for ev in evs]
-        for i, f in engine.map("stragglers", tasks.straggler_rank, calls, progress, where):
+        for i, f in run_phase(engine, "stragglers", tasks.straggler_rank, calls, reuse, keep, progress, where):
             evs[i]["differs"] = f.differs
             by_rank[evs[i]["straggler_rank"]].causes = f.own  # one of them may now name the straggler
             straggler_c.append((i, f.causes))
@@ -137,6 +153,11 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
                                assemble(causes, symptoms, [r.baseline for r in res]))
     clock["assemble_s"] = time.perf_counter() - t
     return report
+
+
+def _sources(*inputs: tasks.RankInput | None) -> list[str]:
+    """The traces a task reads: its rank's first (where its result is kept), then the others'."""
+    return [x.source for x in inputs if x is not None]
 
 
 def partners(ranks: list[int], waited_us: dict, coupled: dict, caused_us: dict | None = None) -> dict[int, int]:

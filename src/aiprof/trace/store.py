@@ -224,7 +224,8 @@ def select_captures(files: list[str], capture: Optional[int] = None) -> list[str
     return [keep[f] if f in keep else f for f in files if f in keep or f not in drop]
 
 
-def _fingerprint(path: str) -> dict:
+def fingerprint(path: str) -> dict:
+    """What identifies a trace file and its sidecars as read (a changed one is a different input)."""
     st = os.stat(path)
     fp = {"path": os.path.realpath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
           "store_version": STORE_VERSION}
@@ -377,7 +378,7 @@ def ingest(path: str, index: int = 0, progress: Optional[Callable[[int, int], No
     """Ingest one trace file into its store (or reuse the cache) and return the rank's trace;
     ``index``, the file's place among those opened together, numbers a trace without a rank."""
     try:
-        fp = _fingerprint(path)
+        fp = fingerprint(path)
     except FileNotFoundError:
         raise TraceError(path, "no such file (it may have been removed)") from None
     store = store_dir_for(path)
