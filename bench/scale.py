@@ -230,9 +230,12 @@ def main() -> int:
                 print(f"  {label:14s}: FAILED {r['error']}", flush=True)
                 continue
             driver = "  ".join(f"{k[:-2]} {v:.2f}" for k, v in r["driver"].items())
+            # a baseline's report, or for a warm run its own cold run's: the same document
+            other = (lambda x: x["aiprof"] != name) if warm == COLD else (lambda x: x["aiprof"] == name and x["warm"] == COLD)
             same = [x["report_sha"] == r["report_sha"] for x in results[:-1]
-                    if x.get("ranks") == n and "report_sha" in x and x["aiprof"] != name]
-            label_same = f"  same report as the other aiprof: {all(same)}" if same else ""
+                    if x.get("ranks") == n and "report_sha" in x and other(x)]
+            label_same = (f"  same report as {'the other aiprof' if warm == COLD else 'its cold run'}: {all(same)}"
+                          if same else "")
             phases = "  ".join(f"{k} {v['wall_s']:.1f}/{v['cpu_s']:.0f}" + _use(v, workers or cpus)
                                for k, v in r["phases"].items())
             print(f"  {label:14s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
