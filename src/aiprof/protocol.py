@@ -29,9 +29,10 @@ MAX_DURATION_MS = 60_000
 DEFAULT_DURATION_MS = 2000
 DEFAULT_MAX_TRACE_MB = 512
 #: CUPTI PM sampling period (µs) under --what hw; 0 turns it off. Bounds: agent/pmsampling.py.
-#: Off unless asked for (--hw-pm-interval-us 100): its last GPU run crashed once in a probe
-#: segment (SIGSEGV, cause not found) and the agent's current PM path has not run on a GPU since;
-#: nothing the agent turns on by itself may risk the job (docs/capture.md, "PM sampling").
+#: Off unless asked for (--hw-pm-interval-us 100): one PM session per process (a second one
+#: after Kineto's failed or crashed a probe), and a capture that ends during the set-up waits for
+#: it on the training thread (up to seconds); nothing the agent turns on by itself may risk or
+#: stall the job (docs/capture.md, "PM sampling", "Crash").
 DEFAULT_HW_PM_INTERVAL_US = 0
 RECOMMENDED_HW_PM_INTERVAL_US = 100
 MIN_HW_PM_INTERVAL_US = 20

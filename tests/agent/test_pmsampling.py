@@ -2,8 +2,10 @@
 to NVML/GPM; request validation. The GPU path itself is exercised by bench/pm_probe.py."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,31 +71,15 @@ def test_pm_setup_waiting_for_the_profiler_is_released_by_stop():
     assert not s.pm_status["ok"] and "before the profiler was ready" in s.pm_status["error"]
 
 
-@pytest.mark.parametrize("env, refused", [({}, False), ({"LOCAL_RANK": "0"}, False), ({"LOCAL_RANK": "1"}, True),
-                                          ({"LOCAL_RANK": "3", "AIPROF_PM_ALL_RANKS": "1"}, False)])
-def test_one_process_per_host_samples(env, refused):
-    assert bool(pm_refused(env, sessions=0)) == refused
+@pytest.mark.parametrize("env", [{}, {"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}, {"LOCAL_RANK": "3"}])
+def test_every_local_rank_samples(env):
+    assert pm_refused(env, sessions=0) is None
 
 
 def test_one_pm_session_per_process():
     assert pm_refused({}, sessions=0) is None
     assert "one PM session per process" in pm_refused({}, sessions=1)
     assert pm_refused({"AIPROF_PM_REPEAT": "1"}, sessions=3) is None
-
-
-def test_a_second_local_rank_does_not_sample_and_says_why(monkeypatch):
-    # two processes sampling at once crashed a 2-rank DDP job (hwmon.pm_refused): local rank 1
-    # falls back to NVML/GPM with a note, without touching CUPTI
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.delenv("AIPROF_PM_ALL_RANKS", raising=False)
-    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=1)
-    s.profiler_ready.set()
-    s.start()
-    assert s._pm_ready.wait(10)
-    s.stop(timeout=10)
-    assert not s.pm_status["ok"] and "local rank 1" in s.pm_status["error"]
-    assert any("PM sampling not run here" in n and "NVML/GPM" in n for n in s.notes)
-    assert "cupti-pm" not in s.sources
 
 
 def test_hw_sampler_pm_off_asks_nothing():
@@ -174,3 +160,82 @@ def test_gpm_and_nvlink_reads_pause_while_pm_samples():
     nvml.calls.clear()
     gpu.sample([], 0, pm_running=False)
     assert "nvmlGpmSampleGet" in nvml.calls and "nvmlDeviceGetFieldValues" in nvml.calls
+
+
+class _SlowSetup:
+    """Stands in for PmSampler where CUPTI cannot run (no GPU): its set-up stays "inside CUPTI"
+    for ``hold_s`` (an H100 configures in ~0.6 s), and records whether it was started."""
+
+    hold_s = 0.5
+    started: list = []
+
+    def __init__(self, device: int, interval_us: int) -> None:
+        time.sleep(self.hold_s)
+        self.columns, self.metrics, self.chip, self.timing_ms = [], {}, "", {}
+
+    def start(self) -> None:
+        _SlowSetup.started.append(self)
+
+
+def _entered_cupti(s: HwSampler) -> None:
+    deadline = time.monotonic() + 10
+    while s._pm_idle.is_set() and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling for the set-up thread, bounded
+    assert not s._pm_idle.is_set(), "the set-up never began"
+
+
+@pytest.fixture
+def slow_setup(monkeypatch):
+    import aiprof.agent.pmsampling as pms
+
+    monkeypatch.setattr(pms, "PmSampler", _SlowSetup)
+    monkeypatch.setattr(_SlowSetup, "started", [])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return _SlowSetup
+
+
+def test_a_capture_that_ends_during_the_set_up_waits_for_it_to_leave_cupti(slow_setup):
+    """The profiler's stop finalises CUPTI; under a set-up still configuring it, that crashed the
+    job (SIGSEGV, 2 H100s): stop_pm cancels the set-up, waits until it is out of CUPTI, and only
+    then says CUPTI is free. The cancelled set-up never starts sampling."""
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.profiler_ready.set()
+    s.start()
+    _entered_cupti(s)
+    assert s.stop_pm() is True
+    assert s._pm_idle.is_set() and s.pm_status["stop_waited_ms"] > 0
+    assert s._pm_ready.wait(10)
+    s.stop(timeout=10)
+    assert slow_setup.started == [] and not s.pm_status["ok"]
+    assert "the capture ended before PM sampling was set up" in s.pm_status["error"]
+
+
+def test_a_set_up_stuck_in_cupti_keeps_cupti_attached(slow_setup, monkeypatch):
+    """Past PM_BUSY_WAIT_S the stop goes on without tearing CUPTI down (stop_pm says False, and
+    cupti_teardown.keep takes our TEARDOWN_CUPTI back), with a note."""
+    from aiprof.agent import cupti_teardown, hwmon
+
+    monkeypatch.setattr(hwmon, "PM_BUSY_WAIT_S", 0.05)
+    monkeypatch.setattr(slow_setup, "hold_s", 1.0)
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.profiler_ready.set()
+    s.start()
+    _entered_cupti(s)
+    assert s.stop_pm() is False
+    assert any("still inside CUPTI" in n for n in s.notes)
+    monkeypatch.delenv(cupti_teardown.ENV, raising=False)
+    assert cupti_teardown.decide()["teardown"] is True  # as an earlier capture set it
+    kept = cupti_teardown.keep("the PM sampler's set-up was still inside CUPTI")
+    assert kept["teardown"] is False and cupti_teardown.ENV not in os.environ
+    assert s._pm_ready.wait(10)
+    s.stop(timeout=10)
+    assert slow_setup.started == []
+
+
+def test_a_stop_before_the_set_up_enters_cupti_does_not_wait(slow_setup):
+    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
+    s.start()  # the profiler is never ready: the set-up waits outside CUPTI
+    assert s.stop_pm() is True and "stop_waited_ms" not in s.pm_status
+    assert s._pm_ready.wait(10)
+    s.stop(timeout=10)
+    assert slow_setup.started == [] and "before the profiler was ready" in s.pm_status["error"]

@@ -109,6 +109,18 @@ def clock_marker(record_function) -> dict:
     return {"marker_unix_ns": [best[0], best[1]], "marker_name": best[2]}
 
 
+def job_device() -> int | None:
+    """The calling thread's CUDA device when the job has initialised CUDA (never initialises it);
+    called on the job's stepping thread, whose device is the job's."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.current_device())
+    except Exception:
+        return None
+
+
 class CaptureDriver:
     """Owns the profiler of one process. Thread-safe enough: the hot path reads one attribute."""
 
@@ -123,6 +135,9 @@ class CaptureDriver:
         self.last_result: dict | None = None
         self.captures_done = 0
         self._pm_prewarm_started = False  # once per process: the PM sampler's library and metrics
+        # the job's CUDA device as its stepping thread sees it (torch.cuda.current_device() is the
+        # calling thread's: the agent's threads would see device 0 on every rank); read once
+        self.job_device: int | None = None
         self.holding_since: float | None = None  # perf_counter while prepare/start/stop runs on the job's thread
         self.held_until: float | None = None  # when the last of those ended
 
@@ -287,19 +302,17 @@ class CaptureDriver:
 
         if pm_refused():  # this process will not sample (one per host): nothing to resolve
             return
-        torch = sys.modules.get("torch")
-        try:
-            if torch is None or not torch.cuda.is_initialized():
-                return  # never initialise CUDA in the job; ask again at the next poll
-            dev = torch.cuda.current_device()
-        except Exception:
-            return
+        dev = self.job_device
+        if dev is None:
+            return  # no iteration seen on a CUDA job yet: ask again at the next poll
         self._pm_prewarm_started = True
 
         def run() -> None:
             try:
+                from aiprof.agent.hwmon import use_device
                 from aiprof.agent.pmsampling import prewarm
 
+                use_device(dev)
                 prewarm(dev)
             except Exception as exc:  # the sampler's own setup reports it again, with the fallback
                 log.info(f"PM sampler prewarm: {type(exc).__name__}: {exc}")
@@ -383,6 +396,8 @@ class CaptureDriver:
         if req is None:
             return
         if st is ARMED:
+            if self.job_device is None:
+                self.job_device = job_device()
             if self.pending_main == "start":
                 self.pending_main = None  # iterations appeared after all: use them
             if self.start_at is None:
@@ -521,13 +536,14 @@ class CaptureDriver:
             self.sampler.profiler_ready.set()
 
     def _gpu_uuids(self) -> list[str]:
-        """NVML UUID of this thread's current CUDA device, if CUDA is in use."""
+        """NVML UUID of the job's CUDA device (this stepping thread's current one), if CUDA is in use."""
         try:
             import torch
 
             if not torch.cuda.is_initialized():
                 return []
             dev = torch.cuda.current_device()
+            self.job_device = dev
             props = torch.cuda.get_device_properties(dev)
             self.info["device"] = {"index": dev, "name": props.name}
             uuid = str(getattr(props, "uuid", "") or "")
@@ -546,15 +562,18 @@ class CaptureDriver:
             rf, self.step_rf = self.step_rf, None
             if rf is not None:
                 rf.__exit__(None, None, None)
+            cupti_free = True
             if self.sampler is not None:
                 # PM sampling stops here, before stop_trace, which may finalise CUPTI under it
                 # (only where it can have started: a CPU job's Python trace keeps no agent frame)
                 if self.sampler.pm_interval_us and self.sampler.cuda_index is not None:
-                    self.sampler.stop_pm()
+                    cupti_free = self.sampler.stop_pm()
                 self.sampler._stop.set()  # joined by the exporter, not here
             if "cuda" in (self.info.get("activities") or ()):
-                # CUPTI detached at stop, else the job's CUDA calls stay slower (cupti_teardown.py)
-                self.info["cupti_teardown"] = cupti_teardown.decide()
+                # CUPTI detached at stop, else the job's CUDA calls stay slower (cupti_teardown.py);
+                # never while the PM sampler's set-up is inside it (hwmon.PM_BUSY_WAIT_S)
+                self.info["cupti_teardown"] = (cupti_teardown.decide() if cupti_free else
+                                               cupti_teardown.keep("the PM sampler's set-up was still inside CUPTI"))
             t0 = time.perf_counter()
             self.info["stop"] = self._detach()
             if self.detached is None:

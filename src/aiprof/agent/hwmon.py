@@ -19,6 +19,7 @@ Sources, each skipped quietly when missing (no GPU in CI, no psutil, no /sys/cla
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -191,14 +192,18 @@ def _read_int(path: str) -> int | None:
 #: The training thread does not wait for a PM sampler still being set up (it would stall the
 #: job): a capture that ends first has no PM samples, and says so.
 PM_SETUP_WAIT_S = 0.0
+#: ... but a set-up already inside CUPTI (configuring: ~0.6 s on an H100) is waited for, this
+#: long at most: the profiler's stop finalises CUPTI (TEARDOWN_CUPTI, agent/cupti_teardown.py),
+#: and a teardown under our set-up thread crashed the job with SIGSEGV (2 H100s, a capture that
+#: ended during the set-up: bench/x2_pmdevice.sh, 2026-11-26). Past it, CUPTI stays attached at
+#: this stop instead (stop_pm returns False), never torn down under us.
+PM_BUSY_WAIT_S = 3.0
 #: The PM sampler configures only once torch.profiler has set CUPTI up (prepare_trace), so that
 #: no CUPTI call of ours runs while Kineto initialises it and the samples are decoded in the
 #: profiler's timestamp domain from the first; bounded, for a profiler that never comes.
 PROFILER_READY_WAIT_S = 30.0
 
 
-# Set to "1" to let every local rank run CUPTI PM sampling (see pm_refused).
-PM_ALL_RANKS_ENV = "AIPROF_PM_ALL_RANKS"
 # Set to "1" to let a process run more than one CUPTI PM session (see pm_refused).
 PM_REPEAT_ENV = "AIPROF_PM_REPEAT"
 # PM sessions this process started (pm_refused allows one)
@@ -206,27 +211,35 @@ _PM_SESSIONS = 0
 
 
 def pm_refused(env: dict | None = None, sessions: int | None = None) -> str | None:
-    """Why this process must not run CUPTI PM sampling now, or None (device runs on two H200s,
-    2026-11-23, docs/capture.md):
+    """Why this process must not run CUPTI PM sampling now, or None.
 
-    * Two processes of one host sampling at once (two DDP ranks) both died with SIGSEGV at the
-      end of the capture, with or without the NVLink counters, while one process sampled fine
-      (bench/x2_pmcrash.sh): one process per host samples, local rank 0, which also sees the
-      NVLink traffic of its GPU. ``AIPROF_PM_ALL_RANKS=1`` lifts this.
-    * A second PM session in a process, after a Kineto session, failed with CUPTI_ERROR_UNKNOWN
-      when Kineto had torn CUPTI down and crashed the process (SIGSEGV) when it had not
-      (``TEARDOWN_CUPTI=0``; bench/pm_probe.py in bench/x2_pm_last.sh): one PM session per
-      process, the first capture that asks for it. ``AIPROF_PM_REPEAT=1`` lifts this."""
+    A second PM session in a process, after a Kineto session, failed with CUPTI_ERROR_UNKNOWN
+    when Kineto had torn CUPTI down and crashed the process (SIGSEGV) when it had not
+    (``TEARDOWN_CUPTI=0``; bench/pm_probe.py in bench/x2_pm_last.sh, two H200s, 2026-11-23): one
+    PM session per process, the first capture that asks for it. ``AIPROF_PM_REPEAT=1`` lifts this.
+
+    Every local rank samples its own GPU. The rule "local rank 0 only" (2026-11-23: two ranks
+    sampling died with SIGSEGV at the end of the capture) is gone with its cause: a capture that
+    ended while the PM set-up was inside CUPTI had CUPTI finalised under it (one process crashed
+    as well; stop_pm now waits for the set-up). Ranks other than 0 were the ones hit: the agent's
+    threads start on device 0 (use_device), so they prewarmed device 0's metrics, not their own,
+    and set up later."""
     env = os.environ if env is None else env
     sessions = _PM_SESSIONS if sessions is None else sessions
-    local = env.get("LOCAL_RANK")
-    if env.get(PM_ALL_RANKS_ENV) != "1" and local not in (None, "", "0"):
-        return (f"one process per host samples (local rank 0; this is local rank {local}): several at once "
-                f"crashed the job; {PM_ALL_RANKS_ENV}=1 lifts this")
     if env.get(PM_REPEAT_ENV) != "1" and sessions >= 1:
         return (f"one PM session per process (this process had one already): a second one after Kineto's "
                 f"failed or crashed the process; {PM_REPEAT_ENV}=1 lifts this")
     return None
+
+
+def use_device(dev: int) -> None:
+    """Make ``dev`` the calling thread's CUDA device, where the job has initialised CUDA (never
+    initialised here). For the agent's own threads, which start on device 0 whatever the job set
+    on its own thread (checked on 2 H100s: bench/x2_pmdevice.sh), before our CUPTI calls for
+    ``dev``: so that nothing of ours runs in device 0's context, another rank's GPU."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.set_device(dev)
 
 
 class HwSampler:
@@ -255,6 +268,8 @@ class HwSampler:
         self._pm_lock = threading.Lock()
         self._pm_ready = threading.Event()
         self._pm_cancel = False
+        self._pm_idle = threading.Event()  # clear while the set-up thread is inside CUPTI
+        self._pm_idle.set()
         self.profiler_ready = threading.Event()  # set by the capture driver after prepare_trace
 
     def _setup_pm(self) -> None:
@@ -276,8 +291,11 @@ class HwSampler:
             from aiprof.agent.pmsampling import PmSampler
 
             self.profiler_ready.wait(PROFILER_READY_WAIT_S)
-            if self._pm_cancel or self._stop.is_set():
-                raise RuntimeError("the capture ended before the profiler was ready")
+            with self._pm_lock:  # from here CUPTI is ours until _pm_idle is set (stop_pm waits for it)
+                if self._pm_cancel or self._stop.is_set():
+                    raise RuntimeError("the capture ended before the profiler was ready")
+                self._pm_idle.clear()
+            use_device(self.cuda_index)
             pm = PmSampler(self.cuda_index, self.pm_interval_us)
             with self._pm_lock:
                 if self._pm_cancel:  # the capture already ended
@@ -301,21 +319,32 @@ class HwSampler:
             self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
                               f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
         finally:
+            self._pm_idle.set()
             self._pm_ready.set()
 
-    def stop_pm(self, timeout: float = PM_SETUP_WAIT_S) -> None:
+    def stop_pm(self, timeout: float = PM_SETUP_WAIT_S) -> bool:
         """Stop PM sampling now (bounded): before torch.profiler's stop_trace, which may finalise
-        CUPTI under it. Never raises."""
+        CUPTI under it. A set-up still inside CUPTI is cancelled and waited for (PM_BUSY_WAIT_S at
+        most). Returns whether CUPTI is free of our calls (False: it must not be torn down at
+        this stop). Never raises."""
         try:
             if not self.pm_interval_us:
-                return
+                return True
             self._pm_ready.wait(timeout)
             with self._pm_lock:
                 self._pm_cancel = True
                 pm, self.pm = self.pm, None
             self.profiler_ready.set()  # release a setup still waiting for the profiler
+            if not self._pm_idle.is_set():
+                t0 = time.perf_counter()
+                free = self._pm_idle.wait(PM_BUSY_WAIT_S)
+                self.pm_status["stop_waited_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+                if not free:
+                    self.notes.append(f"CUPTI PM sampling: its set-up was still inside CUPTI after "
+                                      f"{PM_BUSY_WAIT_S:.0f} s: CUPTI is left attached at this stop")
+                    return False
             if pm is None:
-                return
+                return True
             t0 = time.perf_counter()
             self.pm_samples = pm.stop()
             self.pm_status["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -323,6 +352,7 @@ class HwSampler:
             self.pm_status["ok"] = False
             self.pm_status["error"] = f"stop: {type(exc).__name__}: {exc}"
             self.notes.append(f"CUPTI PM sampling failed at stop ({exc}); its samples are lost")
+        return self._pm_idle.is_set()
 
     def _setup(self) -> None:
         try:
