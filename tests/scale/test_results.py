@@ -115,3 +115,11 @@ def test_numpy_values_come_back_with_their_types(tmp_path):
     results.save(path2, "k", ev)
     back = results.load(path2, "k", dict)
     assert back == ev and [type(v) for v in back.values()] == [type(v) for v in ev.values()]
+
+
+def test_a_trace_gone_before_its_key_is_the_usual_one_line_error(ddp4, tmp_path):
+    from aiprof.errors import TraceError
+
+    gone = tmp_path / "rank9.json.gz"
+    with engines.SerialEngine() as eng, pytest.raises(TraceError, match="no such file"):
+        build_job_report([*ddp4, str(gone)], eng, reuse=True, keep=True)

@@ -150,10 +150,12 @@ def save(path: str, k: str, result: object) -> None:
         pass
 
 
-def remembered(fn: Callable, path: str, k: str, args: tuple) -> object:
-    """Run one task and keep its result (the task the engine runs for a missing result)."""
+def remembered(fn: Callable, path: str | None, k: str, args: tuple) -> object:
+    """Run one task and keep its result at ``path`` (the task the engine runs for a missing
+    result; None: one without a key, kept nowhere)."""
     out = fn(*args)
-    save(path, k, out)
+    if path:
+        save(path, k, out)
     return out
 
 
@@ -188,7 +190,12 @@ def run_phase(engine, phase: str, fn: Callable, calls: Sequence[Call], reuse: bo
     todo_calls: list[tuple] = []
     hits: list[tuple[int, object]] = []
     for i, c in enumerate(calls):  # every key before any result is handed out (the caller may edit them)
-        k = key(phase, c.key_args, c.sources)
+        try:
+            k = key(phase, c.key_args, c.sources)
+        except OSError:  # a trace gone meanwhile: the task itself says so, in the usual one line
+            todo.append(i)
+            todo_calls.append((fn, None, "", c.args))
+            continue
         path = path_for(c.sources[0], phase)
         hit = load(path, k, typ) if reuse else None
         if hit is None:
