@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+from typing import ClassVar
 
 import pytest
 
@@ -164,13 +166,20 @@ def test_gpm_and_nvlink_reads_pause_while_pm_samples():
 
 class _SlowSetup:
     """Stands in for PmSampler where CUPTI cannot run (no GPU): its set-up stays "inside CUPTI"
-    for ``hold_s`` (an H100 configures in ~0.6 s), and records whether it was started."""
+    for ``hold_s`` (an H100 configures in ~0.6 s), or until ``gate`` opens when one is given; it
+    records when it left and whether it was started."""
 
     hold_s = 0.5
-    started: list = []
+    gate: threading.Event | None = None
+    left: ClassVar[list] = []
+    started: ClassVar[list] = []
 
     def __init__(self, device: int, interval_us: int) -> None:
-        time.sleep(self.hold_s)
+        if self.gate is not None:
+            self.gate.wait(10)
+        else:
+            time.sleep(self.hold_s)
+        _SlowSetup.left.append(time.monotonic())
         self.columns, self.metrics, self.chip, self.timing_ms = [], {}, "", {}
 
     def start(self) -> None:
@@ -190,6 +199,7 @@ def slow_setup(monkeypatch):
 
     monkeypatch.setattr(pms, "PmSampler", _SlowSetup)
     monkeypatch.setattr(_SlowSetup, "started", [])
+    monkeypatch.setattr(_SlowSetup, "left", [])
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return _SlowSetup
 
@@ -203,7 +213,9 @@ def test_a_capture_that_ends_during_the_set_up_waits_for_it_to_leave_cupti(slow_
     s.start()
     _entered_cupti(s)
     assert s.stop_pm() is True
-    assert s._pm_idle.is_set() and s.pm_status["stop_waited_ms"] > 0
+    returned = time.monotonic()
+    # it returned only once the set-up had left CUPTI (race-free: it never fails when it waits)
+    assert s._pm_idle.is_set() and slow_setup.left and slow_setup.left[0] <= returned
     assert s._pm_ready.wait(10)
     s.stop(timeout=10)
     assert slow_setup.started == [] and not s.pm_status["ok"]
@@ -216,7 +228,8 @@ def test_a_set_up_stuck_in_cupti_keeps_cupti_attached(slow_setup, monkeypatch):
     from aiprof.agent import cupti_teardown, hwmon
 
     monkeypatch.setattr(hwmon, "PM_BUSY_WAIT_S", 0.05)
-    monkeypatch.setattr(slow_setup, "hold_s", 1.0)
+    gate = threading.Event()  # the set-up stays inside until the test lets it go
+    monkeypatch.setattr(slow_setup, "gate", gate)
     s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
     s.profiler_ready.set()
     s.start()
@@ -227,6 +240,7 @@ def test_a_set_up_stuck_in_cupti_keeps_cupti_attached(slow_setup, monkeypatch):
     assert cupti_teardown.decide()["teardown"] is True  # as an earlier capture set it
     kept = cupti_teardown.keep("the PM sampler's set-up was still inside CUPTI")
     assert kept["teardown"] is False and cupti_teardown.ENV not in os.environ
+    gate.set()
     assert s._pm_ready.wait(10)
     s.stop(timeout=10)
     assert slow_setup.started == []

@@ -103,8 +103,8 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     calls = []
     for r in ranks:
         partner = inputs.get(pick.get(r))
-        named = (inputs[r], partner, entry, top, coupled and r == ranks[0], len(ranks), coupled, asked)
-        calls.append(Call((*named[:4], token, *named[4:]), (*named[:-1], sorted(asked)), _sources(inputs[r], partner)))
+        calls.append(_call((inputs[r], partner, entry, top, token, coupled and r == ranks[0], len(ranks), coupled,
+                            asked), token, asked, _sources(inputs[r], partner)))
     for i, out in run_phase(engine, "analyse", tasks.analyse_rank, calls, reuse, keep, progress, nodes):
         res[i] = out
     reports = [r.report for r in res]
@@ -127,9 +127,8 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
             slow, partner, base = (inputs[ev["straggler_rank"]], inputs.get(pick.get(ev["straggler_rank"])),
                                    inputs[ev["base_rank"]])
             waiting = {w: by_rank[w].report["steps"] for w in ev.get("waiting_ranks", []) if w in by_rank}
-            named = (ev, slow, partner, base, entry, top, waiting, by_rank[ev["straggler_rank"]].causes, asked)
-            calls.append(Call((*named[:6], token, *named[6:]), (*named[:-1], sorted(asked)),
-                              _sources(slow, partner, base)))
+            calls.append(_call((ev, slow, partner, base, entry, top, token, waiting,
+                                by_rank[ev["straggler_rank"]].causes, asked), token, asked, _sources(slow, partner, base)))
         where = [nodes[ranks.index(ev["straggler_rank"])] for ev in evs]
         for i, f in run_phase(engine, "stragglers", tasks.straggler_rank, calls, reuse, keep, progress, where):
             evs[i]["differs"] = f.differs
@@ -153,6 +152,12 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
                                assemble(causes, symptoms, [r.baseline for r in res]))
     clock["assemble_s"] = time.perf_counter() - t
     return report
+
+
+def _call(args: tuple, token: str, asked: frozenset[str], sources: list[str]) -> Call:
+    """A task's call. What names its result is its arguments less the run's ``token``, with the
+    experimental codes ``asked`` sorted (a set's order differs between processes)."""
+    return Call(args, tuple(sorted(a) if a is asked else a for a in args if a is not token), sources)
 
 
 def _sources(*inputs: tasks.RankInput | None) -> list[str]:
