@@ -44,6 +44,9 @@ RESULT_PREFIX = "PM_OVERHEAD_RESULT "
 # A GPT-2 process imports torch and transformers, warms up and exports a capture in ~30 s on an
 # H200: six times that is a stuck process, which is recorded and skipped.
 CHILD_TIMEOUT_S = 180.0
+# Steps run while a capture is armed before it gives up waiting to record (a GPT-2 step is
+# 30-100 ms: minutes, past capture.PM_READY_MAX_S).
+MAX_ARMED_STEPS = 3000
 
 
 def _capture(mode: str, args, step, device: str, out: str) -> dict:
@@ -60,11 +63,17 @@ def _capture(mode: str, args, step, device: str, out: str) -> dict:
     err = agent.driver.submit(req)
     if err is not None:
         return {"error": f"capture refused: {err}"}
-    ts = timed(step, 1 + args.drop + args.steps, device)
+    # With PM counters the recording starts once the sampler runs (capture.PM_READY_MAX_S): the
+    # steps before it are the job's, untimed here; then the capture's own steps are timed.
+    armed = 0
+    while agent.driver.state == "armed" and armed < MAX_ARMED_STEPS:
+        timed(step, 1, device)
+        armed += 1
+    ts = timed(step, args.drop + args.steps, device)
     t_wait = time.monotonic()
     while agent.driver.state != "idle" and time.monotonic() - t_wait < 120:
         time.sleep(0.05)
-    res: dict = {"steps_s": ts[1 + args.drop:], "dropped_s": sum(ts[:1 + args.drop])}
+    res: dict = {"steps_s": ts[args.drop:], "dropped_s": sum(ts[:args.drop]), "armed_steps": armed}
     meta_path = os.path.join(out, req.capture_id, "rank0", "meta.json")
     try:
         with open(meta_path) as f:

@@ -29,12 +29,21 @@ MAX_DURATION_MS = 60_000
 DEFAULT_DURATION_MS = 2000
 DEFAULT_MAX_TRACE_MB = 512
 #: CUPTI PM sampling period (µs) under --what hw; 0 turns it off. Bounds: agent/pmsampling.py.
-#: Off unless asked for (--hw-pm-interval-us 100): one PM session per process (a second one
-#: after Kineto's failed or crashed a probe), and a capture that ends during the set-up waits for
-#: it on the training thread (up to seconds); nothing the agent turns on by itself may risk or
-#: stall the job (docs/capture.md, "PM sampling", "Crash").
+#: Off unless asked for (--hw-pm-interval-us 100): only a process's first capture can have PM
+#: counters (CUPTI refuses PM sampling after Kineto's teardown), and the cost against kernel
+#: tracing alone is not shown within 1 % (docs/capture.md, "Ready before the capture").
 DEFAULT_HW_PM_INTERVAL_US = 0
 RECOMMENDED_HW_PM_INTERVAL_US = 100
+#: A capture with PM counters at fixed iterations prepares its profiler this long ahead, so that
+#: the sampler's set-up is over when the first iteration starts (0.95-1.48 s with 4 ranks setting
+#: up at once on 4 H100s, bench/pm_repeat.sh; 0.6 s alone); the planners of a common start
+#: (attach/trigger.py, server/registry.py) leave as much room.
+PM_SETUP_LEAD_S = 2.0
+
+
+def wants_pm(what: "tuple[str, ...] | list[str]", pm_interval_us: int) -> bool:
+    """Whether a capture asks for CUPTI PM counters."""
+    return "hw" in what and bool(pm_interval_us)
 MIN_HW_PM_INTERVAL_US = 20
 MAX_HW_PM_INTERVAL_US = 100_000
 

@@ -53,12 +53,15 @@ def test_a_captured_cuda_graph_is_seen_through_the_real_class():
     assert d["teardown"] is False and "captured a CUDA graph" in d["why"]
 
 
-def test_inductor_cudagraphs_rule_it_out(monkeypatch):
+def test_inductor_cudagraphs_rule_it_out():
     import torch._inductor.config as cfg
 
-    monkeypatch.setattr(cfg.triton, "cudagraphs", True)
-    d = ct.decide()
+    # inductor's own patch (monkeypatch's undo deleted the setting: torch.profiler's
+    # prepare_trace, which reads it, then failed in every later test of the process)
+    with cfg.patch({"triton.cudagraphs": True}):
+        d = ct.decide()
     assert d["teardown"] is False and "inductor" in d["why"]
+    assert cfg.triton.cudagraphs is False
 
 
 def test_finalize_waits_for_the_thread_the_finish_started_not_for_the_jobs(monkeypatch):

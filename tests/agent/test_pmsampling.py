@@ -197,7 +197,10 @@ def _entered_cupti(s: HwSampler) -> None:
 def slow_setup(monkeypatch):
     import aiprof.agent.pmsampling as pms
 
+    from aiprof.agent import hwmon
+
     monkeypatch.setattr(pms, "PmSampler", _SlowSetup)
+    monkeypatch.setattr(hwmon, "_PM_SESSIONS", 0)  # a stand-in that starts counts as a session
     monkeypatch.setattr(_SlowSetup, "started", [])
     monkeypatch.setattr(_SlowSetup, "left", [])
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -253,3 +256,139 @@ def test_a_stop_before_the_set_up_enters_cupti_does_not_wait(slow_setup):
     assert s._pm_ready.wait(10)
     s.stop(timeout=10)
     assert slow_setup.started == [] and "before the profiler was ready" in s.pm_status["error"]
+
+
+class _Job:
+    """The agent as the capture driver sees it: the real step tracker, told of every iteration."""
+
+    def __init__(self, driver_cls) -> None:
+        from aiprof.agent.steps import StepTracker
+
+        self.driver = driver_cls(self)
+        self.tracker = StepTracker(self.driver)
+
+    def step(self) -> int:
+        """One iteration boundary, as the optimizer hook reports it; returns the new iteration."""
+        t = self.tracker
+        k = t.count
+        t.count = k + 1
+        t._ended(time.perf_counter())
+        self.driver.step_end(k)
+        self.driver.step_begin(k + 1)
+        return k + 1
+
+
+def _pm_job(tmp_path, **req_kw):
+    """A driver armed for a capture with PM counters on a (pretend) CUDA device 0: CPU torch runs
+    the real profiler; only the device index is set, as the stepping thread would read it."""
+    from aiprof.agent.capture import ARMED, CaptureDriver
+
+    job = _Job(CaptureDriver)
+    job.driver.job_device = 0
+    req = CaptureRequest(out=str(tmp_path), capture_id="pm", what="kernels,hw", hw_pm_interval_us=100,
+                         iterations=2, **req_kw).normalised()
+    assert job.driver.submit(req) is None and job.driver.state == ARMED
+    job.driver.info["device"] = {"index": 0, "name": "pretend"}  # what _gpu_uuids reads from CUDA
+    return job
+
+
+def _until(cond, what: str, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)  # polling a background thread, bounded
+    assert cond(), what
+
+
+def test_recording_waits_for_the_pm_sampler_and_its_first_step_is_sampled(slow_setup, tmp_path, monkeypatch):
+    """Skip-based capture: no profiler while the sampler's library and metrics resolve (their CUPTI
+    calls and Kineto's set-up never overlap: that crashed 4-rank jobs); then the profiler is
+    prepared and the sampler set up; the recording starts only once the sampler runs. The job's
+    iterations go on meanwhile (the driver never blocks a step)."""
+    from aiprof.agent.capture import ARMED, RECORDING
+
+    gate = threading.Event()
+    monkeypatch.setattr(slow_setup, "gate", gate)
+    job = _pm_job(tmp_path)
+    d = job.driver
+    for _ in range(5):  # the library and metrics are not resolved yet
+        job.step()
+    assert d.state == ARMED and not d.prepared and d.sampler is None
+    d._pm_prewarmed.set()  # what the prewarm thread does when it has resolved them
+    job.step()
+    assert d.prepared and d.sampler is not None  # the profiler first, then the sampler's set-up
+    _entered_cupti(d.sampler)
+    for _ in range(3):  # the set-up is inside CUPTI: iterations go on, none recorded
+        job.step()
+    assert d.state == ARMED and d.steps == []
+    gate.set()
+    _until(d.sampler.pm_settled, "the set-up never ended")
+    k = job.step()
+    assert d.state == RECORDING and d.steps == [k]
+    assert slow_setup.started and slow_setup.left[0] < d.t_start  # sampling began before the first recorded step
+    job.step(), job.step()
+    _until(lambda: d.state == "idle", "the capture never finished")
+    assert d.last_result["ok"], d.last_result
+
+
+def test_fixed_iterations_prepare_ahead_and_start_where_asked(slow_setup, tmp_path):
+    """A common start (``start_at``: every rank records the same iterations) is not moved: the
+    profiler is prepared PM_SETUP_LEAD_S of iterations ahead, so the sampler is set up by then."""
+    from aiprof.agent.capture import RECORDING
+    from aiprof.protocol import PM_SETUP_LEAD_S
+
+    slow_setup.hold_s = 0.0
+    job = _pm_job(tmp_path, start_at=70)
+    d = job.driver
+    d._pm_prewarmed.set()
+    step_s = 0.025  # every iteration ~25 ms: the lead is ~PM_SETUP_LEAD_S / 25 ms iterations
+    k = 0
+    while not d.prepared:
+        time.sleep(step_s)
+        k = job.step()
+    most = 1 + int(PM_SETUP_LEAD_S / step_s)  # the lead when iterations take exactly step_s (at least that)
+    assert 70 - most <= k < 70 - 1  # earlier than the usual one iteration ahead, and not before the lead
+    while job.tracker.count < 70:
+        job.step()
+    assert d.state == RECORDING and d.steps == [70]
+    job.step(), job.step()
+    _until(lambda: d.state == "idle", "the capture never finished")
+    assert d.last_result["ok"], d.last_result
+
+
+def test_a_sampler_whose_library_failed_records_without_pm_and_says_why(tmp_path):
+    """The real prewarm on a machine without a GPU fails: the capture records without PM counters
+    (no set-up under Kineto) and meta.json says why; later captures do not try again."""
+    import json
+
+    job = _pm_job(tmp_path)
+    d = job.driver
+    job.step()
+    d.poll()  # the control thread starts the prewarm
+    _until(d._pm_prewarmed.is_set, "the prewarm never ended", limit_s=120)  # the first use compiles the C side
+    assert d.pm_prewarm_error and not d.pm_ready
+    for _ in range(4):
+        job.step()
+    _until(lambda: d.state == "idle", "the capture never finished")
+    assert d.last_result["ok"], d.last_result
+    pm = json.load(open(os.path.join(d.last_result["dir"], "meta.json")))["hw"]["pm"]
+    assert pm["asked"] and not pm["ok"] and "could not be set up" in pm["error"]
+
+
+def test_trigger_leaves_room_for_the_pm_sampler_before_a_common_start():
+    """`aiprof trigger`'s common start: half a second of iterations; with PM counters also the
+    sampler's set-up, and its library and metrics where an agent has not resolved them yet."""
+    from aiprof.agent.control import Endpoint
+    from aiprof.attach.trigger import ALIGN_MARGIN_S, PM_PREWARM_LEAD_S, Agent, plan_requests
+    from aiprof.protocol import PM_SETUP_LEAD_S
+
+    def agents(ready: bool) -> list:
+        return [Agent(Endpoint(p, f"/x/{p}"), {"job": "j", "steps": 100, "step_ms": 10.0, "pm_ready": ready})
+                for p in (1, 2)]
+
+    plain = CaptureRequest(what="kernels,hw").normalised()
+    pm = CaptureRequest(what="kernels,hw", hw_pm_interval_us=100).normalised()
+    base = 100 + int(ALIGN_MARGIN_S * 1e3 / 10)
+    assert {r.start_at for r in plan_requests(agents(True), plain).values()} == {base}
+    assert {r.start_at for r in plan_requests(agents(True), pm).values()} == {base + int(PM_SETUP_LEAD_S * 1e3 / 10)}
+    assert {r.start_at for r in plan_requests(agents(False), pm).values()} == {
+        base + int((PM_SETUP_LEAD_S + PM_PREWARM_LEAD_S) * 1e3 / 10)}

@@ -14,6 +14,7 @@ from srvsupport import start_server
 
 from aiprof.server.client import UPLOAD_BLOCK, ServerError, file_sha256
 from aiprof.server.registry import AgentInfo, plan_start
+from aiprof.protocol import PM_SETUP_LEAD_S
 from aiprof.server.store import BadName, DataDir, safe_name
 
 
@@ -212,6 +213,9 @@ def test_plan_start_uses_the_freshest_estimate():
     assert plan_start([a, b], skip=500, interval_s=1.0, now=now) == 650
     idle = AgentInfo("c", "j", "h", 3, 0, 1, {}, steps=0)
     assert plan_start([idle], 0, 1.0) is None
+    # a capture with PM counters: the sampler's set-up (protocol.PM_SETUP_LEAD_S) on top
+    assert plan_start([a, b], skip=0, interval_s=1.0, now=now, lead_s=PM_SETUP_LEAD_S) == \
+        150 + 176 + int(PM_SETUP_LEAD_S * 1e3 / 10.0)
 
 
 def test_duration_trigger_gets_a_common_start_time(server):

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from aiprof.agent import cupti_teardown, log, offstop, profguard
 from aiprof.agent.commsettings import comm_settings
-from aiprof.protocol import CaptureRequest
+from aiprof.protocol import PM_SETUP_LEAD_S, CaptureRequest, wants_pm
 
 IDLE, ARMED, RECORDING, EXPORTING = "idle", "armed", "recording", "exporting"
 CLOCK_MARKER = "aiprof::clock_sync"
@@ -50,6 +50,18 @@ EXPORT_WAIT_AT_EXIT_S = 30.0
 # (Kineto's post-processing, seconds at most), so the two do not share Kineto
 JOB_PROFILER_WAIT_S = 30.0
 OFFSTOP_ENV = "AIPROF_OFFSTOP"  # 0: stop the profiler on the training thread (torch's own stop_trace)
+# PM counters and Kineto must never be inside CUPTI at once (a CUPTI call of ours while Kineto
+# sets CUPTI up or tears it down crashed jobs with SIGSEGV: 4-rank DDP on H100s, 2026-11-26,
+# bench/pm_repeat.sh). So a capture with PM counters goes: the sampler's library and metrics
+# are resolved while armed (0.6-11.5 s on 4 H100s: the longest compiles the C side), then the profiler is prepared,
+# then the sampler configures (~0.6 s), then the recording starts, so that its first step has
+# samples. The job is never held: iterations go on and only the recording starts later, at
+# most this long after the request; past it the capture records without PM counters (a
+# resolution still running then is not stopped; the longest seen took 11.5 s).
+PM_READY_MAX_S = 30.0
+# A request for fixed iterations (``start_at``: every rank of a job records the same ones) has its
+# profiler prepared protocol.PM_SETUP_LEAD_S ahead (by the median iteration), so that the
+# sampler's set-up is over by then. Only a sampler whose library is not ready makes it start later.
 
 DoneCallback = Callable[[dict], None]
 
@@ -135,6 +147,9 @@ class CaptureDriver:
         self.last_result: dict | None = None
         self.captures_done = 0
         self._pm_prewarm_started = False  # once per process: the PM sampler's library and metrics
+        self._pm_prewarmed = threading.Event()  # ... and that work is over (resolved or failed)
+        self.pm_prewarm_error: str | None = None  # why it failed: no PM set-up in this process
+        self.pm_prewarm_s: float | None = None  # how long it took (meta.json hw.pm.prewarm_s)
         # the job's CUDA device as its stepping thread sees it (torch.cuda.current_device() is the
         # calling thread's: the agent's threads would see device 0 on every rank); read once
         self.job_device: int | None = None
@@ -156,6 +171,7 @@ class CaptureDriver:
         self.armed_count = 0
         self.sampler: Any = None
         self.pm_meta: dict[str, Any] | None = None
+        self.pm_wanted: bool | None = None  # _pm_wanted's answer for this capture
         self.info: dict[str, Any] = {}
         self.pending_main: str | None = None  # "start"/"stop" scheduled on the main thread
         self.pending_since = 0.0
@@ -312,10 +328,15 @@ class CaptureDriver:
                 from aiprof.agent.hwmon import use_device
                 from aiprof.agent.pmsampling import prewarm
 
+                t0 = time.perf_counter()
                 use_device(dev)
                 prewarm(dev)
-            except Exception as exc:  # the sampler's own setup reports it again, with the fallback
-                log.info(f"PM sampler prewarm: {type(exc).__name__}: {exc}")
+                self.pm_prewarm_s = round(time.perf_counter() - t0, 3)
+            except Exception as exc:  # every capture of this process says it, with the fallback
+                self.pm_prewarm_error = str(exc) if type(exc).__name__ == "PmUnavailable" else f"{type(exc).__name__}: {exc}"
+                log.info(f"PM sampler prewarm: {self.pm_prewarm_error}")
+            finally:
+                self._pm_prewarmed.set()
 
         threading.Thread(target=run, name="aiprof-pm-prewarm", daemon=True).start()
 
@@ -403,9 +424,7 @@ class CaptureDriver:
             if self.start_at is None:
                 # skip counts from the iteration in progress when the request arrived
                 self.start_at = req.start_at if req.start_at is not None else self.armed_count + req.skip
-            if k < self.start_at:
-                if req.warmup and k == self.start_at - 1 and not self.prepared:
-                    self._prepare()
+            if not self._ready_to_record(k, req) or self.state is not ARMED:
                 return
             if self.native_cfg is not None and self._native_pending():
                 return  # hooks not in yet: a later iteration starts the capture
@@ -422,6 +441,50 @@ class CaptureDriver:
         if not self.steps:
             self.first_step_t = time.perf_counter()
         self.steps.append(k)
+
+    @property
+    def pm_ready(self) -> bool:
+        """The PM sampler's library and metrics are resolved: a capture with PM counters needs only
+        its set-up (PM_SETUP_LEAD_S); agents report it so that planners leave room."""
+        return self._pm_prewarmed.is_set() and self.pm_prewarm_error is None
+
+    def _pm_wanted(self, req: CaptureRequest) -> bool:
+        """The request asks for PM counters on a CUDA job whose process may sample (read once per
+        capture: the hot path reads the cached answer)."""
+        if self.pm_wanted is None:
+            self.pm_wanted = False
+            if wants_pm(req.what, req.hw_pm_interval_us) and self.job_device is not None:
+                from aiprof.agent.hwmon import pm_refused
+
+                self.pm_wanted = pm_refused() is None
+        return self.pm_wanted
+
+    def _ready_to_record(self, k: int, req: CaptureRequest) -> bool:
+        """Whether iteration ``k`` starts the recording; before it, prepare the profiler (one
+        iteration ahead: CUPTI's warm-up) and, for PM counters, get the sampler running first
+        (PM_READY_MAX_S, PM_SETUP_LEAD_S). Never waits: an iteration that is not ready returns."""
+        assert self.start_at is not None
+        pm = self._pm_wanted(req) and time.perf_counter() - self.armed_at <= PM_READY_MAX_S
+        if pm and not self._pm_prewarmed.is_set():
+            return False  # no profiler before the sampler's library and metrics: their CUPTI calls come first
+        fixed = req.start_at is not None
+        if k < self.start_at:
+            lead = 1
+            if pm and fixed:
+                med = self.agent.tracker.median_ms() or 0.0
+                lead = 1 + (int(PM_SETUP_LEAD_S * 1e3 // med) if med > 0 else 0)
+            if (req.warmup or pm) and not self.prepared and k >= self.start_at - lead:
+                self._prepare()
+            return False
+        if pm and not self.prepared:
+            self._prepare()
+            return False
+        if pm and not fixed and self.sampler is not None and not self.sampler.pm_settled():
+            return False
+        if pm and fixed and k > self.start_at:
+            self.info["start_delayed"] = {"asked": self.start_at, "started": k,
+                                          "why": "the PM sampler's library and metrics were not ready"}
+        return True
 
     def step_end(self, k: int) -> None:
         """Iteration ``k`` ended (called on the stepping thread)."""
@@ -470,7 +533,14 @@ class CaptureDriver:
             from aiprof.agent.hwmon import HwSampler
 
             dev = (self.info.get("device") or {}).get("index")
-            self.sampler = HwSampler(req.hw_interval_ms, gpus, req.hw_pm_interval_us, dev)
+            pm_us, why_not = req.hw_pm_interval_us, None
+            if pm_us and dev is not None and not self._pm_prewarmed.is_set():
+                # never resolved in the capture, under Kineto (PM_READY_MAX_S)
+                pm_us, why_not = 0, ("its library and metrics were not ready before the capture (a time-based "
+                                     f"capture, or over {PM_READY_MAX_S:.0f} s)")
+            elif pm_us and dev is not None and self.pm_prewarm_error:
+                pm_us, why_not = 0, f"its library and metrics could not be set up ({self.pm_prewarm_error})"
+            self.sampler = HwSampler(req.hw_interval_ms, gpus, pm_us, dev, pm_not_run=why_not)
             self.sampler.start()
         except Exception as exc:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
@@ -574,6 +644,9 @@ class CaptureDriver:
                 # never while the PM sampler's set-up is inside it (hwmon.PM_BUSY_WAIT_S)
                 self.info["cupti_teardown"] = (cupti_teardown.decide() if cupti_free else
                                                cupti_teardown.keep("the PM sampler's set-up was still inside CUPTI"))
+                pms = sys.modules.get("aiprof.agent.pmsampling")
+                if pms is not None and self.info["cupti_teardown"].get("teardown") is not False:
+                    pms.cupti_finalized()  # (None: not decided; a reset costs a few ms, a stale object a crash)
             t0 = time.perf_counter()
             self.info["stop"] = self._detach()
             if self.detached is None:
@@ -659,6 +732,8 @@ class CaptureDriver:
                 hw_rows = write_csv(os.path.join(d, "hw.csv"), samples, off)
                 hw_notes, hw_sources = self.sampler.notes, self.sampler.sources
                 self.pm_meta = dict(self.sampler.pm_status)
+                if self.pm_meta.get("asked"):
+                    self.pm_meta["prewarm_s"] = self.pm_prewarm_s
                 pm = self.sampler.pm_samples
                 if pm is not None and len(pm.t0):
                     from aiprof.agent.hwmon import PM_FILE, write_pm_csv
@@ -797,6 +872,7 @@ class CaptureDriver:
             "device": self.info.get("device"),
             "thread": self.info.get("thread"),
             "started_unix_ns": self.t_start_unix_ns,
+            "start_delayed": self.info.get("start_delayed"),  # fixed iterations started later: why
             "stopped_unix_ns": self.info.get("stopped_unix_ns"),
             "recorded_s": self.info.get("recorded_s"),
             "steps": {

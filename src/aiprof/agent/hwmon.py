@@ -213,22 +213,22 @@ _PM_SESSIONS = 0
 def pm_refused(env: dict | None = None, sessions: int | None = None) -> str | None:
     """Why this process must not run CUPTI PM sampling now, or None.
 
-    A second PM session in a process, after a Kineto session, failed with CUPTI_ERROR_UNKNOWN
-    when Kineto had torn CUPTI down and crashed the process (SIGSEGV) when it had not
-    (``TEARDOWN_CUPTI=0``; bench/pm_probe.py in bench/x2_pm_last.sh, two H200s, 2026-11-23): one
-    PM session per process, the first capture that asks for it. ``AIPROF_PM_REPEAT=1`` lifts this.
+    One PM session per process, the first capture that asks for it. Kineto finalises CUPTI at
+    the capture's stop (TEARDOWN_CUPTI, agent/cupti_teardown.py), and CUPTI then refuses PM
+    sampling for the rest of the process: after ``cuptiProfilerInitialize`` again,
+    ``cuptiPmSamplingGetCounterAvailability`` fails with CUPTI_ERROR_UNKNOWN (captures 2-10 of
+    4-rank DDP jobs on H100s, every rank, 2026-11-26, bench/pm_repeat.sh; the same on H200s,
+    bench/pm_probe.py). Without that re-initialisation the second session crashed the process
+    (SIGSEGV; now done, pmsampling.cupti_finalized). ``AIPROF_PM_REPEAT=1`` lets a process try
+    again (where the job keeps CUPTI attached, TEARDOWN_CUPTI=0: not measured).
 
-    Every local rank samples its own GPU. The rule "local rank 0 only" (2026-11-23: two ranks
-    sampling died with SIGSEGV at the end of the capture) is gone with its cause: a capture that
-    ended while the PM set-up was inside CUPTI had CUPTI finalised under it (one process crashed
-    as well; stop_pm now waits for the set-up). Ranks other than 0 were the ones hit: the agent's
-    threads start on device 0 (use_device), so they prewarmed device 0's metrics, not their own,
-    and set up later."""
+    Every local rank samples its own GPU: the rule "local rank 0 only" is gone with its cause (a
+    teardown under a set-up still inside CUPTI, see stop_pm and capture.PM_READY_MAX_S)."""
     env = os.environ if env is None else env
     sessions = _PM_SESSIONS if sessions is None else sessions
     if env.get(PM_REPEAT_ENV) != "1" and sessions >= 1:
-        return (f"one PM session per process (this process had one already): a second one after Kineto's "
-                f"failed or crashed the process; {PM_REPEAT_ENV}=1 lifts this")
+        return (f"one PM session per process (this process had one already): CUPTI refuses PM sampling once "
+                f"Kineto has finalised it at a capture's stop; {PM_REPEAT_ENV}=1 tries anyway")
     return None
 
 
@@ -246,7 +246,7 @@ class HwSampler:
     """Samples until :meth:`stop`; samples are kept in memory (bounded) and returned by stop."""
 
     def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None,
-                 pm_interval_us: int = 0, cuda_index: int | None = None) -> None:
+                 pm_interval_us: int = 0, cuda_index: int | None = None, pm_not_run: str | None = None) -> None:
         self.interval = max(0.01, interval_ms / 1000.0)
         self.gpu_uuids = gpu_uuids or []
         self.samples: list[Sample] = []
@@ -264,7 +264,10 @@ class HwSampler:
         self.cuda_index = cuda_index
         self.pm: Any = None  # the running PmSampler
         self.pm_samples: Any = None  # PmSamples once stopped
-        self.pm_status: dict[str, Any] = {"asked": bool(pm_interval_us), "ok": False}
+        self.pm_status: dict[str, Any] = {"asked": bool(pm_interval_us or pm_not_run), "ok": False}
+        if pm_not_run:  # asked for, but the capture driver did not let it set up (capture.PM_READY_MAX_S)
+            self.pm_status["error"] = pm_not_run
+            self.notes.append(f"CUPTI PM sampling not run: {pm_not_run}; GPU counters come from NVML/GPM only")
         self._pm_lock = threading.Lock()
         self._pm_ready = threading.Event()
         self._pm_cancel = False
@@ -321,6 +324,11 @@ class HwSampler:
         finally:
             self._pm_idle.set()
             self._pm_ready.set()
+
+    def pm_settled(self) -> bool:
+        """PM sampling runs, or its set-up is over without it (refused, failed): the recording
+        may start. True at once when PM sampling was not asked for."""
+        return not self.pm_interval_us or self._pm_ready.is_set()
 
     def stop_pm(self, timeout: float = PM_SETUP_WAIT_S) -> bool:
         """Stop PM sampling now (bounded): before torch.profiler's stop_trace, which may finalise

@@ -480,8 +480,11 @@ int aps_configure(int dev, const char **names, int n, uint64_t interval_ns, size
 }
 
 /*
- * Forget the PM sampling object and initialise the profiler again: after Kineto's stop_trace
- * has finalised CUPTI (TEARDOWN_CUPTI), the old object is gone with it.
+ * Forget the PM sampling object and host object and initialise the profiler again: after
+ * Kineto's stop_trace has finalised CUPTI (TEARDOWN_CUPTI), they went with it (the host object
+ * is not deinitialised: it belonged to the finalised CUPTI), and the profiler must be
+ * initialised anew before any PM sampling call (a second PM session that skipped this crashed
+ * in a thread of no Python frame: 4-rank DDP on H100s, 2026-11-26).
  */
 int aps_reset(void) {
     if (!g_ready) {
@@ -493,6 +496,7 @@ int aps_reset(void) {
         return -4;
     }
     g_obj = NULL;
+    g_host = NULL;
     free(g_avail);
     g_avail = NULL;
     g_ready = 0;

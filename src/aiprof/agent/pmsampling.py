@@ -331,6 +331,16 @@ class PmSamples:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+# Set when a capture's stop let Kineto finalise CUPTI (TEARDOWN_CUPTI): the next sampler starts
+# the C side afresh (aps_reset) before any PM call, whatever the objects it kept.
+_FINALIZED = threading.Event()
+
+
+def cupti_finalized() -> None:
+    """Kineto tears CUPTI down at this capture's stop: the next session resets first."""
+    _FINALIZED.set()
+
+
 class PmSampler:
     """One device's PM sampling for one capture: configure, start, stop, rows."""
 
@@ -355,6 +365,11 @@ class PmSampler:
         self.reset: str | None = None  # why the PM sampling object had to be re-created, if it did
         cols = list(self.metrics)
         names = [self.metrics[c] for c in cols]
+        if _FINALIZED.is_set():  # CUPTI was finalised under the objects of the last session
+            if self.lib.aps_reset() != 0:
+                raise PmUnavailable(f"PM sampling reset after CUPTI's teardown: {_err(self.lib)}")
+            _FINALIZED.clear()
+            self.reset = "CUPTI finalised at the last capture's stop"
         rc = self._configure(names)
         if rc != 0:  # CUPTI may have been finalised since (Kineto's teardown): start afresh once
             first = _err(self.lib)

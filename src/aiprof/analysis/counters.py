@@ -157,6 +157,21 @@ class CounterAnalysis:
     collectives: list[dict] = field(default_factory=list)  # per communication kernel name: NVLink vs peak
 
 
+def recorded_part(pm: PmSeries, kernels) -> PmSeries:
+    """The samples whose window meets the recorded kernels' span. The sampler starts before the
+    recording (its set-up first, agent/capture.py) and stops after it: samples outside have no
+    kernel to be read against, and would make the whole read as idle GPU (and leave the alignment
+    check no edge: a second of samples before the first kernel, 4 H200s, 2026-11-26)."""
+    if not len(kernels):
+        return pm
+    ts = kernels["ts"].astype(np.int64)
+    lo, hi = int(ts.min()), int((ts + kernels["dur"].astype(np.int64)).max())
+    keep = (pm.t1 > lo) & (pm.t0 < hi)
+    if keep.all():
+        return pm
+    return PmSeries(pm.device, pm.t0[keep], pm.t1[keep], {c: v[keep] for c, v in pm.values.items()})
+
+
 def _union_weights(pm: PmSeries, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     from aiprof.analysis.intervals import union
 
@@ -176,6 +191,9 @@ def counter_analysis(rt: RankTrace, families: list[str] | None = None) -> Counte
     dram_peak = dev.dram_gbps * 1e9 if dev else None
     link_peak = dev.nvlink_gbps_per_dir if dev else None
     k = rt.kernels
+    pm = recorded_part(pm, k)
+    if len(pm) < 2:
+        return None
     gaps = np.diff(pm.t0) / NS_PER_US
     interval = {"median": float(np.median(gaps)), "p99": float(np.percentile(gaps, 99)), "max": float(gaps.max())}
     span = (pm.t1 - pm.t0).astype(np.float64)

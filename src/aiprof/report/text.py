@@ -130,6 +130,27 @@ def _counters_table(rank: dict) -> Table | None:
     return t
 
 
+def _collective_counters_table(rank: dict) -> Table | None:
+    """Communication kernels with the NVLink traffic the PM counters saw during them."""
+    c = rank.get("counters")
+    rows = [x for x in (c or {}).get("collectives") or [] if x.get("nvlink_tx_gbps") is not None
+            or x.get("nvlink_rx_gbps") is not None]
+    if not rows:
+        return None
+    peak = c.get("nvlink_peak_gbps")
+    t = Table(title=("Collectives · NVLink during them (PM counters; GB/s per direction"
+                     + (f", peak {peak:.0f})" if peak else ")")), title_justify="left", show_edge=False)
+    for col in ("kernel", "calls", "sampled ms", "NVLink tx GB/s", "NVLink rx GB/s", "% of peak"):
+        t.add_column(col, justify="left" if col == "kernel" else "right")
+    for x in rows[:8]:
+        pct = x.get("nvlink_pct_of_peak")
+        t.add_row(_short(x["name"], 48), str(x["calls"]), _ms(x["sampled_us"]),
+                  "" if x.get("nvlink_tx_gbps") is None else f"{x['nvlink_tx_gbps']:.1f}",
+                  "" if x.get("nvlink_rx_gbps") is None else f"{x['nvlink_rx_gbps']:.1f}",
+                  "" if pct is None else f"{pct:.0f}%")
+    return t
+
+
 def _roofline_table(rank: dict) -> Table | None:
     """Kernel families on the roofline (analysis.roofline): work from the ops' shapes vs time."""
     r = rank.get("roofline")
@@ -364,7 +385,7 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         render_serving(console, r)
         if r["top_kernels"]:
             console.print(_kernels_table(r))
-        for table in (_roofline_table(r), _counters_table(r)):
+        for table in (_roofline_table(r), _counters_table(r), _collective_counters_table(r)):
             if table is not None:
                 console.print(table)
         render_diagnosis(console, r)

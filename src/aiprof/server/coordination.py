@@ -17,7 +17,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aiprof.protocol import CaptureRequest
+from aiprof.protocol import PM_SETUP_LEAD_S, CaptureRequest, wants_pm
 from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError, read_json_body, read_json_body_sized
@@ -113,7 +113,8 @@ class JobCoordination:
         if r.duration_ms is not None and r.iterations is None:
             start_ns = plan_start_time(interval)
         elif r.start_at is None:
-            start_at = plan_start(agents, r.skip, interval)
+            start_at = plan_start(agents, r.skip, interval,
+                                  lead_s=PM_SETUP_LEAD_S if wants_pm(r.what, r.hw_pm_interval_us) else 0.0)
             r.start_at = start_at
         timeout = max(10.0, min(float(body.get("timeout_s") or 300.0), 3600.0))
         state = {"capture_id": cid, "job": agents[0].job, "created": time.time(), "request": r.to_dict(),

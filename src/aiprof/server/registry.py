@@ -174,12 +174,13 @@ class Registry:
         return len(dead)
 
 
-def plan_start(agents: list[AgentInfo], skip: int, interval_s: float, now: float | None = None) -> int | None:
+def plan_start(agents: list[AgentInfo], skip: int, interval_s: float, now: float | None = None,
+               lead_s: float = 0.0) -> int | None:
     """The common ``start_at`` iteration for a job's ranks, or None when none of them steps yet.
 
     ``max(estimated current iteration) + margin``: the margin is the number of iterations that
-    pass while the command travels (one heartbeat interval + MARGIN_S), at least 2 and at least
-    ``skip``.
+    pass while the command travels (one heartbeat interval + MARGIN_S, + ``lead_s``: the PM
+    sampler's set-up, protocol.PM_SETUP_LEAD_S), at least 2 and at least ``skip``.
     """
     now = time.time() if now is None else now
     stepping = [a for a in agents if a.steps > 0]
@@ -188,7 +189,7 @@ def plan_start(agents: list[AgentInfo], skip: int, interval_s: float, now: float
     top = max(a.estimated_steps(now) for a in stepping)
     meds = [a.step_ms for a in stepping if a.step_ms]
     step_ms = min(meds) if meds else 100.0  # the fastest rank's pace bounds how far anyone gets
-    margin = math.ceil((interval_s + MARGIN_S) * 1e3 / max(step_ms, 1e-3)) + 1
+    margin = math.ceil((interval_s + MARGIN_S + lead_s) * 1e3 / max(step_ms, 1e-3)) + 1
     return int(min(math.ceil(top) + max(skip, margin, 2), MAX_START_ITERS + math.ceil(top)))
 
 

@@ -1,0 +1,55 @@
+#!/bin/bash
+# Issue 33: PM sampling on every rank, capture after capture, in one job. A DDP GPT-2 job of
+# NPROC ranks runs under `aiprof run` (no capture options: the agents wait); `aiprof trigger`
+# then asks for CAPTURES captures of ITERS iterations each, one after the other, with
+# `--what kernels,hw` (PM at 100 µs: the default, or --hw-pm-interval-us 100 where it is not).
+# Per capture and rank: PM ok, samples, median/p99 gap, set-up ms, whether the first recorded
+# step had samples, CUPTI teardown; per run: the job's exit status and any crash. RUNS jobs.
+# Usage: WHL=.whl NPROC=4 CAPTURES=3 CAPTURES1=10 ITERS=5 RUNS=1 [JOBENV="AIPROF_PM_REPEAT=1"] bash bench/pm_repeat.sh
+. "$(dirname "$0")/x2_common.sh"
+NPROC=${NPROC:-4}; CAPTURES=${CAPTURES:-10}; ITERS=${ITERS:-5}; RUNS=${RUNS:-1}; JOBENV=${JOBENV:-}
+CAPTURES1=${CAPTURES1:-$CAPTURES}  # the first run's captures (the others': CAPTURES)
+say "GPUs"; nvidia-smi --query-gpu=index,name --format=csv,noheader | tr '\n' ';'; echo
+pm_summary() {  # capture dir
+  python3 - "$1" <<'PY'
+import json, sys, glob, os
+for meta in sorted(glob.glob(os.path.join(sys.argv[1], "*", "rank*", "meta.json"))):
+    m = json.load(open(meta)); pm = (m.get("hw") or {}).get("pm") or {}
+    cap = meta.split("/")[-3]; r = meta.split("/")[-2]
+    gap = pm.get("gap_us") or {}
+    # PM running this long before the recording started (> 0: the first recorded step has samples)
+    lead = round((m["started_unix_ns"] - pm["started_unix_ns"]) / 1e6, 1) if pm.get("started_unix_ns") and m.get("started_unix_ns") else None
+    st = m["steps"]["captured"]
+    print(f"{cap:>4} {r:>5} steps={st[0] if st else None}..{st[-1] if st else None} ok={pm.get('ok')} rows={pm.get('rows')} gap_med={gap.get('median')} gap_p99={gap.get('p99')} "
+          f"prewarm_s={pm.get('prewarm_s')} setup_ms={pm.get('setup_ms')} pm_lead_ms={lead} delayed={m.get('start_delayed')} waited={pm.get('stop_waited_ms')} "
+          f"teardown={(m.get('cupti_teardown') or {}).get('teardown')} err={str(pm.get('error'))[:100]} errors={m.get('errors')}")
+PY
+}
+for run in $(seq 1 $RUNS); do
+  n_caps=$CAPTURES; [ "$run" = 1 ] && n_caps=$CAPTURES1
+  SECONDS_JOB=${SECONDS_JOB_FIXED:-$((15 + n_caps * 6))}  # seconds of training: the captures fit in it
+  say "run $run: $NPROC ranks, $n_caps captures of $ITERS iterations"
+  rm -rf /tmp/cap; mkdir -p /tmp/cap
+  env $JOBENV timeout $((SECONDS_JOB + 150)) python3 -m aiprof run --out /tmp/cap -- \
+    python3 -m torch.distributed.run --nproc_per_node $NPROC --master_port $((29700 + run)) examples/ddp_gpt2.py \
+    --seconds $SECONDS_JOB --step-times $K/r${run}_steps{rank}.log --buckets /dev/null > $K/r$run.log 2>&1 &
+  JOB=$!
+  # the job trains (20 steps on rank 0: past model build, NCCL set-up, the first slow steps)
+  for i in $(seq 1 120); do sleep 1; [ "$(wc -l < $K/r${run}_steps0.log 2>/dev/null || echo 0)" -ge 20 ] && break; done
+  echo "training after $i s"
+  for c in $(seq 1 $n_caps); do
+    timeout 90 python3 -m aiprof trigger -n $ITERS --what kernels,hw ${PMOPT:-} --out /tmp/cap --capture-id c$c --timeout 60 > $K/r${run}_t$c.log 2>&1
+    echo "capture c$c rc=$? ($(( $(date +%s) - T0 )) s) $(grep -c 'failed' $K/r${run}_t$c.log) failed"
+  done
+  wait $JOB; echo "run $run job rc=$?"
+  grep -E "SIGSEGV|Segmentation|exitcode|Traceback|aiprof: (error|warning)" $K/r$run.log | head -5
+  pm_summary /tmp/cap
+  if [ "$run" = 1 ]; then
+    last=${ANALYZE:-c1}  # the capture analysed: the first (the one with PM counters where one per process)
+    say "aiprof analyze of capture $last (every rank)"
+    python3 -m aiprof analyze /tmp/cap/$last --no-cache --out $OUT/report_$last > $K/analyze_$last.txt 2>&1; echo "analyze rc=$?"
+    grep -B1 -A12 "GPU counters\|Collectives ·" $K/analyze_$last.txt | cut -c1-200 | head -80
+    tar czf $OUT/caps_run1.tgz -C /tmp cap 2>/dev/null; ls -la $OUT/caps_run1.tgz
+  fi
+done
+(cd /tmp && tar czf $OUT/pm_repeat_logs.tgz keep 2>/dev/null); say done
