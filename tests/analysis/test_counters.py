@@ -242,3 +242,32 @@ def test_text_report_shows_nvlink_during_each_collective():
     line = next(ln for ln in table.splitlines() if ln.lstrip().startswith("ncclDevKernel_AllReduce"))
     assert "Collectives · NVLink during them" in text and "peak 450" in text
     assert line.split("│")[3].strip() == "0.0" and line.split("│")[5].strip() == "0%"
+
+
+def test_alignment_falls_back_to_tensor_pipes_when_sm_activity_reads_flat():
+    """On a saturated GPU SM activity reads flat (kernels back to back: no edge). Here, on the real
+    samples of tests/data/pm_lead_h100, SM activity is made flat as such a GPU reads it: the check
+    still tells from tensor-pipe activity against the matmul kernels, and finds a planted shift."""
+    from aiprof.analysis.counters import PmSeries, best_alignment, recorded_part
+    from aiprof.analysis.kernels import is_matmul_kernel
+
+    rt = open_capture(str(LEAD), show_progress=False).ranks[0]
+    k = rt.kernels
+    pm = recorded_part(load_pm(rt), k)
+    names = k.strings("name")
+    mm = np.array([is_matmul_kernel(x) for x in names.labels] + [False])[names.codes]
+    comp = ~k.strings("cls").isin_labels(lambda s: s == "communication")
+    st = k["ts"].astype(np.int64)
+    en = st + k["dur"].astype(np.int64)
+    sets = {"compute kernels": (st[comp], en[comp]), "matmul kernels": (st[mm & comp], en[mm & comp])}
+    both = best_alignment(pm, sets)
+    assert both["lag_us"] == 0.0 and both["correlation"] > 0.8  # both signals tell here; the better one wins
+    flat = dict(pm.values, pm_sm_active_pct=np.full(len(pm), 97.0))
+    sat = best_alignment(PmSeries(pm.device, pm.t0, pm.t1, flat), sets)
+    assert sat["signal"] == "pm_tensor_active_pct vs matmul kernels" and sat["lag_us"] == 0.0
+    shift = 300_000  # ns: three samples late
+    moved = best_alignment(PmSeries(pm.device, pm.t0 + shift, pm.t1 + shift, flat), sets)
+    assert moved["lag_us"] == pytest.approx(300.0, abs=25.0)
+    no_tensor = {c: v for c, v in flat.items() if c != "pm_tensor_active_pct"}
+    none = best_alignment(PmSeries(pm.device, pm.t0, pm.t1, no_tensor), sets)
+    assert none["lag_us"] is None and none["why"]

@@ -112,9 +112,9 @@ def _counters_table(rank: dict) -> Table | None:
     if not c or not c.get("families"):
         return None
     iv, al = c.get("interval_us") or {}, c.get("alignment") or {}
-    lag = (f"residual lag {al['lag_us']:+.0f} µs (r={al['correlation']:.2f})"
+    lag = (f"residual lag {al['lag_us']:+.0f} µs (r={al['correlation']:.2f}, {al.get('signal', '')})"
            + (" removed" if al.get("applied_shift_us") else " kept") if al.get("lag_us") is not None
-           else f"alignment not checked: {al.get('why') or 'no SM-active counter'}")
+           else f"alignment not checked: {al.get('why') or 'no SM-active or tensor-pipe counter'}")
     t = Table(title=(f"Kernel families · GPU counters ({c['samples']} PM samples every {iv.get('median', 0):.0f} µs, "
                      f"p99 gap {iv.get('p99', 0):.0f} µs; {lag})"), title_justify="left", show_edge=False)
     for col in ("family", "kernels", "sampled ms", "cover", "SM act %", "issue %", "tensor %", "DRAM rd GB/s",
