@@ -39,6 +39,17 @@ RECOMMENDED_HW_PM_INTERVAL_US = 100
 #: up at once on 4 H100s, bench/pm_repeat.sh; 0.6 s alone); the planners of a common start
 #: (attach/trigger.py, server/registry.py) leave as much room.
 PM_SETUP_LEAD_S = 2.0
+#: ... and this much more while an agent has not loaded its PM sampler's library and resolved its
+#: metrics (agents report ``pm_ready``): 0.6-11.5 s in a fresh process on 4 H100s, the longest
+#: compiling the C side.
+PM_PREWARM_LEAD_S = 12.0
+
+
+def pm_lead_s(what: "tuple[str, ...] | list[str]", pm_interval_us: int, all_ready: bool) -> float:
+    """Room a planner leaves before a common start for the PM sampler to run on every rank."""
+    if not wants_pm(what, pm_interval_us):
+        return 0.0
+    return PM_SETUP_LEAD_S + (0.0 if all_ready else PM_PREWARM_LEAD_S)
 
 
 def wants_pm(what: "tuple[str, ...] | list[str]", pm_interval_us: int) -> bool:

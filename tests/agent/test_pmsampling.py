@@ -378,8 +378,8 @@ def test_trigger_leaves_room_for_the_pm_sampler_before_a_common_start():
     """`aiprof trigger`'s common start: half a second of iterations; with PM counters also the
     sampler's set-up, and its library and metrics where an agent has not resolved them yet."""
     from aiprof.agent.control import Endpoint
-    from aiprof.attach.trigger import ALIGN_MARGIN_S, PM_PREWARM_LEAD_S, Agent, plan_requests
-    from aiprof.protocol import PM_SETUP_LEAD_S
+    from aiprof.attach.trigger import ALIGN_MARGIN_S, Agent, plan_requests
+    from aiprof.protocol import PM_PREWARM_LEAD_S, PM_SETUP_LEAD_S
 
     def agents(ready: bool) -> list:
         return [Agent(Endpoint(p, f"/x/{p}"), {"job": "j", "steps": 100, "step_ms": 10.0, "pm_ready": ready})

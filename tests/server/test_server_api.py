@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import math
 import os
 import stat
 import threading
@@ -14,7 +15,7 @@ from srvsupport import start_server
 
 from aiprof.server.client import UPLOAD_BLOCK, ServerError, file_sha256
 from aiprof.server.registry import AgentInfo, plan_start
-from aiprof.protocol import PM_SETUP_LEAD_S
+from aiprof.protocol import PM_PREWARM_LEAD_S, PM_SETUP_LEAD_S
 from aiprof.server.store import BadName, DataDir, safe_name
 
 
@@ -202,6 +203,23 @@ def test_trigger_needs_live_agents_and_plans_one_start(server):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert c.get(f"captures/{started['capture_id']}")["state"] == "failed"
+
+
+def test_a_capture_with_pm_counters_gets_room_for_the_sampler(server):
+    """Agents report whether their PM sampler is loaded (``pm_ready``): the common start leaves
+    its set-up, and its loading while any rank has not loaded it (protocol.pm_lead_s)."""
+    c = server.client()
+    pm = {"iterations": 2, "skip": 0, "what": "kernels,hw", "hw_pm_interval_us": 100}
+    for job, ready, lead_s in (("pr", True, PM_SETUP_LEAD_S), ("pn", False, PM_SETUP_LEAD_S + PM_PREWARM_LEAD_S)):
+        t0 = time.monotonic()
+        for r in (0, 1):
+            c.post("agents", {"agent_id": f"{job}-{r}", "job": job, "host": "h", "pid": 20 + r, "rank": r,
+                              "world_size": 2, "steps": 100, "step_ms": 50.0, "pm_ready": ready})
+        started = c.post(f"jobs/{job}/captures", {"request": pm, "auto_analyze": False})
+        late = int((time.monotonic() - t0) / 0.05) + 1  # iterations the server extrapolates since the heartbeat
+        # heartbeat 1 s + 0.75 s + the lead, at 50 ms an iteration (+1), past the count of 100
+        margin = math.ceil((1.0 + 0.75 + lead_s) * 1e3 / 50.0) + 1
+        assert 100 + margin <= started["start_at"] <= 101 + margin + late, (job, started["start_at"], margin, late)
 
 
 def test_plan_start_uses_the_freshest_estimate():

@@ -4,8 +4,8 @@ Each agent counts iterations from its own start; ranks of one job (same torchrun
 master address) step in lockstep, so the trigger reads every agent's count and asks all of a
 job's ranks to start at the same iteration number: the highest count plus a margin of about
 half a second of iterations (at least ``--skip``). A capture with PM counters gets more room: the
-sampler's set-up (protocol.PM_SETUP_LEAD_S), and its library and metrics where an agent has not
-resolved them yet (PM_PREWARM_LEAD_S), so that every rank records the same iterations with samples.
+sampler's set-up, and its library and metrics where an agent has not resolved them yet
+(protocol.pm_lead_s), so that every rank records the same iterations with samples.
 """
 from __future__ import annotations
 
@@ -14,15 +14,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from aiprof.protocol import PM_SETUP_LEAD_S, CaptureRequest, wants_pm
+from aiprof.protocol import CaptureRequest, pm_lead_s
 from aiprof.agent.control import Endpoint, capture_all, discover, status
 from aiprof.errors import AiprofError
 
 ALIGN_MARGIN_S = 0.5
 MAX_MARGIN_ITERS = 50
-# Resolving the PM sampler's library and metrics took 3-11 s in a fresh process (4 ranks on
-# H100s, the compiled library cached or not): the first PM capture's start leaves this much.
-PM_PREWARM_LEAD_S = 12.0
 
 
 @dataclass
@@ -49,13 +46,6 @@ def find_agents(pids: list[int] | None = None, rt_dirs: list[str] | None = None)
     return out
 
 
-def pm_lead_s(req: CaptureRequest, agents: list[Agent]) -> float:
-    """Extra room before a common start for the PM sampler to be running on every rank."""
-    if not wants_pm(req.what, req.hw_pm_interval_us):
-        return 0.0
-    return PM_SETUP_LEAD_S + (PM_PREWARM_LEAD_S if any(not a.status.get("pm_ready") for a in agents) else 0.0)
-
-
 def plan_requests(agents: list[Agent], req: CaptureRequest) -> dict[int, CaptureRequest]:
     """One request per agent; iteration captures of one job get a common ``start_at``."""
     plans: dict[int, CaptureRequest] = {}
@@ -70,7 +60,8 @@ def plan_requests(agents: list[Agent], req: CaptureRequest) -> dict[int, Capture
             meds = [a.status.get("step_ms") for a in stepping if a.status.get("step_ms")]
             step_ms = max(meds) if meds else 100.0
             margin = min(MAX_MARGIN_ITERS, max(1, math.ceil(ALIGN_MARGIN_S * 1e3 / max(step_ms, 1e-3))))
-            margin += math.ceil(pm_lead_s(req, stepping) * 1e3 / max(step_ms, 1e-3))
+            lead = pm_lead_s(req.what, req.hw_pm_interval_us, all(a.status.get("pm_ready") for a in stepping))
+            margin += math.ceil(lead * 1e3 / max(step_ms, 1e-3))
             start_at = top + max(req.skip, margin)
         for a in members:
             r = copy.deepcopy(req)

@@ -17,7 +17,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aiprof.protocol import PM_SETUP_LEAD_S, CaptureRequest, wants_pm
+from aiprof.protocol import CaptureRequest, pm_lead_s
 from aiprof.server.analysis_queue import AnalysisQueue
 from aiprof.server.context import ServiceContext
 from aiprof.server.jsonapi import HTTPError, read_json_body, read_json_body_sized
@@ -114,7 +114,7 @@ class JobCoordination:
             start_ns = plan_start_time(interval)
         elif r.start_at is None:
             start_at = plan_start(agents, r.skip, interval,
-                                  lead_s=PM_SETUP_LEAD_S if wants_pm(r.what, r.hw_pm_interval_us) else 0.0)
+                                  lead_s=pm_lead_s(r.what, r.hw_pm_interval_us, all(a.pm_ready for a in agents)))
             r.start_at = start_at
         timeout = max(10.0, min(float(body.get("timeout_s") or 300.0), 3600.0))
         state = {"capture_id": cid, "job": agents[0].job, "created": time.time(), "request": r.to_dict(),

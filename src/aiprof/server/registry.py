@@ -57,6 +57,7 @@ class AgentInfo:
     steps: int = 0
     step_ms: float | None = None
     state: str = "idle"
+    pm_ready: bool = False  # its PM sampler's library and metrics are resolved (protocol.pm_lead_s)
     commands: deque = field(default_factory=lambda: deque(maxlen=MAX_COMMANDS))
 
     def estimated_steps(self, now: float) -> float:
@@ -143,6 +144,7 @@ class Registry:
         except (TypeError, ValueError):
             pass
         a.state = str(info.get("state") or "idle")[:32]
+        a.pm_ready = info.get("pm_ready") is True
 
     def jobs(self, alive_only: bool = True) -> dict[str, list[AgentInfo]]:
         now = time.time()
