@@ -16,8 +16,8 @@ Modes:
 - ``kernels+pm``: ``--what kernels,hw --hw-pm-interval-us 100`` (what a user asks for).
 
 Per process: ``--warmup`` untimed steps, then every step timed with a device synchronize before
-and after. A capture's first ``--drop`` steps are not kept (its start, and PM's set-up thread,
-~0.35 s on an H200; the result says whether PM was sampling by the end of them). Per mode: the
+and after. With PM counters a capture records once its sampler runs (the steps before are run
+untimed, ``armed_steps``); its first ``--drop`` recorded steps are not kept either. Per mode: the
 median over rounds of each process's median step; ``x none`` and ``x kernels`` are medians of
 the per-round ratios.
 
@@ -83,10 +83,6 @@ def _capture(mode: str, args, step, device: str, out: str) -> dict:
         return res
     pm = (meta.get("hw") or {}).get("pm") or {}
     res["pm"] = {k: pm.get(k) for k in ("ok", "error", "rows", "gap_us", "setup_ms", "stop_ms", "columns", "stats")}
-    # PM's set-up starts one iteration before recording (prepare_trace): it sampled the kept
-    # steps when it was ready before the dropped ones had run.
-    if pm.get("setup_ms") is not None:
-        res["pm"]["sampling_before_kept_steps"] = pm["setup_ms"] / 1e3 < res["dropped_s"]
     return res
 
 

@@ -43,20 +43,20 @@ PM_SETUP_LEAD_S = 2.0
 #: metrics (agents report ``pm_ready``): 0.6-11.5 s in a fresh process on 4 H100s, the longest
 #: compiling the C side.
 PM_PREWARM_LEAD_S = 12.0
+MIN_HW_PM_INTERVAL_US = 20
+MAX_HW_PM_INTERVAL_US = 100_000
 
 
-def pm_lead_s(what: "tuple[str, ...] | list[str]", pm_interval_us: int, all_ready: bool) -> float:
+def wants_pm(what: tuple[str, ...] | list[str], pm_interval_us: int) -> bool:
+    """Whether a capture asks for CUPTI PM counters."""
+    return "hw" in what and bool(pm_interval_us)
+
+
+def pm_lead_s(what: tuple[str, ...] | list[str], pm_interval_us: int, all_ready: bool) -> float:
     """Room a planner leaves before a common start for the PM sampler to run on every rank."""
     if not wants_pm(what, pm_interval_us):
         return 0.0
     return PM_SETUP_LEAD_S + (0.0 if all_ready else PM_PREWARM_LEAD_S)
-
-
-def wants_pm(what: "tuple[str, ...] | list[str]", pm_interval_us: int) -> bool:
-    """Whether a capture asks for CUPTI PM counters."""
-    return "hw" in what and bool(pm_interval_us)
-MIN_HW_PM_INTERVAL_US = 20
-MAX_HW_PM_INTERVAL_US = 100_000
 
 
 class RequestError(ValueError):

@@ -17,6 +17,7 @@ from aiprof.analysis.memo import analysis_cache
 from aiprof.hardware import device as device_spec
 from aiprof.trace.pmclock import alignment_check
 from aiprof.trace.store import RankTrace
+from aiprof.trace.table import Table
 
 NS_PER_US = 1000.0
 
@@ -163,7 +164,7 @@ class CounterAnalysis:
     collectives: list[dict] = field(default_factory=list)  # per communication kernel name: NVLink vs peak
 
 
-def recorded_part(pm: PmSeries, kernels) -> PmSeries:
+def recorded_part(pm: PmSeries, kernels: Table) -> PmSeries:
     """The samples whose window meets the recorded kernels' span. The sampler starts before the
     recording (its set-up first, agent/capture.py) and stops after it: samples outside have no
     kernel to be read against, and would make the whole read as idle GPU (and leave the alignment
