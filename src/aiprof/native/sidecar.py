@@ -187,7 +187,11 @@ class Sidecar:
         fd, self.pyspy_out = tempfile.mkstemp(prefix="aiprof-native-", suffix=".folded")
         os.close(fd)
         rate = int(self.cfg.get("pyspy_rate") or PYSPY_DEFAULT_RATE)
-        cmd = [exe, "record", "--native", "--threads", "--format", "raw", "--rate", str(rate),
+        # --idle: a thread that waits (a training thread blocked in read(), a lock, a collective)
+        # is where the job's time goes; without it py-spy drops those samples, and a job that
+        # mostly waits had no stack of its training thread in the few samples a loaded host takes
+        # (7 samples in 0.85 s, none of the main thread: a CI failure, 2 busy cores)
+        cmd = [exe, "record", "--native", "--threads", "--idle", "--format", "raw", "--rate", str(rate),
                "--pid", str(self.pid), "--output", self.pyspy_out, "--nonblocking"]
         if self.cfg.get("pyspy_blocking", True):
             cmd.remove("--nonblocking")  # --native unwinding needs the threads paused
