@@ -1,16 +1,14 @@
 """Step-time cost of CUPTI PM sampling at 100 µs on GPT-2 training, alone and with kernel tracing.
 
-One fresh process per measurement: the agent runs one PM session per process (a second one,
-after a Kineto session, failed or crashed the process on two H200s; ``hwmon.pm_refused``), so
-the segments of ``bench/overhead.py``, which repeat captures in one process, cannot repeat PM.
-Each round runs every mode once, in an order rotated from round to round, so that drift (clocks,
+One fresh process per measurement, so that no mode inherits another's state (CUPTI attached,
+allocator, clocks). Each round runs every mode once, in an order rotated from round to round, so that drift (clocks,
 temperature, other tenants) hits every mode alike; the ratios are paired within a round.
 
 Modes:
 
 - ``none``: plain training, no agent, no profiler;
-- ``pm``: the PM sampler alone (``agent.pmsampling.PmSampler``, as ``agent/hwmon.py`` runs it),
-  no profiler; started after warm-up, its set-up and stop outside the timed steps;
+- ``pm``: the PM sampler process alone (``agent.pmsidecar.PmSidecar``, as ``agent/hwmon.py``
+  runs it), no profiler; started after warm-up, its set-up and stop outside the timed steps;
 - ``kernels``: an aiprof capture ``--what kernels`` (Kineto kernel tracing);
 - ``kernels+hw``: ``--what kernels,hw`` without PM (NVML/GPM polling only);
 - ``kernels+pm``: ``--what kernels,hw --hw-pm-interval-us 100`` (what a user asks for).
@@ -90,11 +88,14 @@ def _pm_alone(args, step, device: str) -> dict:
     """Time steps with the PM sampler alone running."""
     import numpy as np
     import torch
-    from aiprof.agent.pmsampling import PmSampler
+    from aiprof.agent.capture import CaptureDriver
+    from aiprof.agent.pmsidecar import PmSidecar
     from overhead import timed
 
     try:
-        sampler = PmSampler(torch.cuda.current_device() if device == "cuda" else 0, args.interval_us)
+        dev = torch.cuda.current_device() if device == "cuda" else 0
+        sampler = PmSidecar(CaptureDriver._device_uuid(dev), dev, args.interval_us)
+        sampler.wait_ready()
         sampler.start()
     except Exception as exc:  # noqa: BLE001 (recorded: the bench goes on)
         return {"error": f"PM sampler did not start: {type(exc).__name__}: {exc}"}
@@ -114,8 +115,28 @@ def _pm_alone(args, step, device: str) -> dict:
                                   "stats": {k: v for k, v in got.stats.items() if isinstance(v, (int, float))}}}
 
 
+def _segment(mode: str, args, step, device: str, tag: str) -> dict:
+    """Time one mode's steps in this process; its result (or why there is none)."""
+    from overhead import timed
+
+    try:
+        if mode == "none":
+            res = {"steps_s": timed(step, args.steps, device)}
+        elif mode == "pm":
+            res = _pm_alone(args, step, device)
+        else:
+            res = _capture(mode, args, step, device, tempfile.mkdtemp(prefix=f"aiprof-pmovh-{tag}-"))
+    except Exception as exc:  # noqa: BLE001 (one line for the driver, not a traceback)
+        res = {"error": f"{type(exc).__name__}: {exc}"}
+    res["mode"] = mode
+    if res.get("steps_s"):
+        res["median_ms"] = statistics.median(res["steps_s"]) * 1e3
+    return res
+
+
 def child(args) -> None:
-    """One measurement: the mode named by ``--child``; prints one result line."""
+    """One measurement: the mode named by ``--child`` (or, for ``all``, every round of every
+    mode in this one process); prints one result line."""
     sys.path.insert(0, HERE)
     import torch
     from overhead import build, timed
@@ -125,33 +146,42 @@ def child(args) -> None:
         torch.set_num_threads(1)
     step = build(args.model if device == "cuda" else "tiny", device)
     timed(step, args.warmup, device)  # allocator, cuBLAS handles, autotuning
-    mode = args.child
-    try:
-        if mode == "none":
-            res = {"steps_s": timed(step, args.steps, device)}
-        elif mode == "pm":
-            res = _pm_alone(args, step, device)
-        else:
-            res = _capture(mode, args, step, device, tempfile.mkdtemp(prefix="aiprof-pmovh-"))
-    except Exception as exc:  # noqa: BLE001 (one line for the driver, not a traceback)
-        res = {"error": f"{type(exc).__name__}: {exc}"}
-    res["mode"] = mode
-    res["device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    if res.get("steps_s"):
-        res["median_ms"] = statistics.median(res["steps_s"]) * 1e3
-    print(RESULT_PREFIX + json.dumps(res, default=str), flush=True)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if args.child != "all":
+        res = _segment(args.child, args, step, device, "x")
+        res["device"] = name
+        print(RESULT_PREFIX + json.dumps(res, default=str), flush=True)
+        return
+    modes = [m for m in args.modes.split(",") if m]
+    rounds = []
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]  # rotate: each mode leads once
+        got = {m: _segment(m, args, step, device, f"r{r}") for m in order}
+        for m in order:
+            got[m]["device"] = name
+            print(f"round {r} {m:11s} " + (f"{got[m]['median_ms']:8.2f} ms" if "median_ms" in got[m] else "    -   ")
+                  + (f"  error: {got[m]['error']}" if got[m].get("error") else "")
+                  + (f"  pm rows {(got[m].get('pm') or {}).get('rows')}" if (got[m].get("pm") or {}).get("rows") else ""),
+                  file=sys.stderr, flush=True)
+        rounds.append(got)
+    print(RESULT_PREFIX + json.dumps({"mode": "all", "rounds": rounds}, default=str), flush=True)
 
 
 def run_child(mode: str, args) -> dict:
     """Run one measurement process and return its result (or why there is none)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--drop", str(args.drop),
-           "--interval-us", str(args.interval_us)]
+           "--interval-us", str(args.interval_us), "--modes", args.modes, "--rounds", str(args.rounds)]
+    limit = CHILD_TIMEOUT_S * (args.rounds * len(args.modes.split(",")) if mode == "all" else 1)
+    if mode == "all" and args.max_seconds:
+        limit = min(limit, args.max_seconds)
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
-        return {"mode": mode, "error": f"timed out after {CHILD_TIMEOUT_S:.0f} s"}
+        return {"mode": mode, "error": f"timed out after {limit:.0f} s"}
+    if mode == "all":
+        sys.stderr.write(p.stderr[-6000:])
     wall = time.monotonic() - t0
     for line in p.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -193,8 +223,12 @@ def main() -> None:
     ap.add_argument("--prewarm", action="store_true",
                     help="run one untimed PM process first: it resolves the chip's metrics into the cache "
                          "(seconds the first time on a machine), which a capture's PM set-up then reads")
+    ap.add_argument("--one-process", action="store_true",
+                    help="every round of every mode in one process (paired segments: what differs between "
+                         "processes, cuBLAS's and the allocator's choices, cancels out; PM sampling runs in "
+                         "a sampler process per capture, so it repeats in a process)")
     ap.add_argument("--out", default=None, help="write the results here as JSON")
-    ap.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=MODES + ("all",), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         child(args)
@@ -208,7 +242,12 @@ def main() -> None:
         print(f"prewarm: {res.get('error') or 'metrics resolved'} ({res.get('wall_s')} s)", file=sys.stderr, flush=True)
     rounds: list[dict[str, dict]] = []
     t_begin = time.monotonic()
-    for r in range(args.rounds):
+    if args.one_process:
+        res = run_child("all", args)
+        if res.get("error"):
+            print(f"one process: {res['error']}", file=sys.stderr)
+        rounds = res.get("rounds") or []
+    for r in range(0 if args.one_process else args.rounds):
         spent = time.monotonic() - t_begin
         if r and args.max_seconds and spent * (r + 1) / r > args.max_seconds:
             print(f"stopping after {r} rounds ({spent:.0f} s): another would pass --max-seconds", file=sys.stderr)

@@ -5,7 +5,9 @@
 # `--what kernels,hw` (PM at 100 µs: the default, or --hw-pm-interval-us 100 where it is not).
 # Per capture and rank: PM ok, samples, median/p99 gap, set-up ms, whether the first recorded
 # step had samples, CUPTI teardown; per run: the job's exit status and any crash. RUNS jobs.
-# Usage: WHL=.whl NPROC=4 CAPTURES=3 CAPTURES1=10 ITERS=5 RUNS=1 [JOBENV="AIPROF_PM_REPEAT=1"] bash bench/pm_repeat.sh
+# Each run's summary is appended to $OUT/summary.txt as it ends (a run cut by a time limit keeps
+# the earlier ones).
+# Usage: WHL=.whl NPROC=4 CAPTURES=3 CAPTURES1=10 ITERS=5 RUNS=1 [JOBENV="..."] bash bench/pm_repeat.sh
 . "$(dirname "$0")/x2_common.sh"
 NPROC=${NPROC:-4}; CAPTURES=${CAPTURES:-10}; ITERS=${ITERS:-5}; RUNS=${RUNS:-1}; JOBENV=${JOBENV:-}
 CAPTURES1=${CAPTURES1:-$CAPTURES}  # the first run's captures (the others': CAPTURES)
@@ -21,7 +23,7 @@ for meta in sorted(glob.glob(os.path.join(sys.argv[1], "*", "rank*", "meta.json"
     lead = round((m["started_unix_ns"] - pm["started_unix_ns"]) / 1e6, 1) if pm.get("started_unix_ns") and m.get("started_unix_ns") else None
     st = m["steps"]["captured"]
     print(f"{cap:>4} {r:>5} steps={st[0] if st else None}..{st[-1] if st else None} ok={pm.get('ok')} rows={pm.get('rows')} gap_med={gap.get('median')} gap_p99={gap.get('p99')} "
-          f"prewarm_s={pm.get('prewarm_s')} setup_ms={pm.get('setup_ms')} pm_lead_ms={lead} delayed={m.get('start_delayed')} waited={pm.get('stop_waited_ms')} "
+          f"prewarm_s={pm.get('prewarm_s')} setup_ms={pm.get('setup_ms')} pm_lead_ms={lead} delayed={m.get('start_delayed')} sampler_cpu_s={((pm.get('stats') or {}).get('sampler_process') or {}).get('cpu_s')} parts={pm.get('setup_parts_ms')} "
           f"teardown={(m.get('cupti_teardown') or {}).get('teardown')} err={str(pm.get('error'))[:100]} errors={m.get('errors')}")
 PY
 }
@@ -41,15 +43,16 @@ for run in $(seq 1 $RUNS); do
     timeout 90 python3 -m aiprof trigger -n $ITERS --what kernels,hw ${PMOPT:-} --out /tmp/cap --capture-id c$c --timeout 60 > $K/r${run}_t$c.log 2>&1
     echo "capture c$c rc=$? ($(( $(date +%s) - T0 )) s) $(grep -c 'failed' $K/r${run}_t$c.log) failed"
   done
-  wait $JOB; echo "run $run job rc=$?"
-  grep -E "SIGSEGV|Segmentation|exitcode|Traceback|aiprof: (error|warning)" $K/r$run.log | head -5
-  pm_summary /tmp/cap
+  wait $JOB; rc=$?
+  { echo "run $run job rc=$rc"
+    grep -E "SIGSEGV|Segmentation|exitcode|Traceback|aiprof: (error|warning)" $K/r$run.log | head -5
+    [ "$rc" = 0 ] || { echo "-- the job's last lines:"; grep -v "^USDT" $K/r$run.log | tail -30 | cut -c1-300; }
+    pm_summary /tmp/cap; } | tee -a $OUT/summary.txt
   if [ "$run" = 1 ]; then
     last=${ANALYZE:-c1}  # the capture analysed: the first (the one with PM counters where one per process)
     say "aiprof analyze of capture $last (every rank)"
-    python3 -m aiprof analyze /tmp/cap/$last --no-cache --out $OUT/report_$last > $K/analyze_$last.txt 2>&1; echo "analyze rc=$?"
-    grep -B1 -A12 "GPU counters\|Collectives ·" $K/analyze_$last.txt | cut -c1-200 | head -80
-    tar czf $OUT/caps_run1.tgz -C /tmp cap 2>/dev/null; ls -la $OUT/caps_run1.tgz
+    python3 -m aiprof analyze /tmp/cap/$last --no-cache > $OUT/analyze_$last.txt 2>&1; echo "analyze rc=$?"
+    grep -B1 -A12 "GPU counters\|Collectives ·" $OUT/analyze_$last.txt | cut -c1-200 | head -60
   fi
 done
 (cd /tmp && tar czf $OUT/pm_repeat_logs.tgz keep 2>/dev/null); say done

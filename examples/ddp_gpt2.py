@@ -16,6 +16,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+#: Steps between the ranks' agreement on stopping (one 4-byte all-reduce each time).
+STOP_CHECK_EVERY = 10
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="train this long")
@@ -40,8 +44,9 @@ def main() -> int:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
     t_end = time.time() + args.seconds
     step = 0
+    stop = torch.zeros(1, device="cuda")
     with open(args.step_times.format(rank=rank), "w") as log:
-        while time.time() < t_end:
+        while not stop.item():
             t0 = time.perf_counter()
             x = torch.randint(0, 50257, (args.batch, args.seq), device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -58,6 +63,11 @@ def main() -> int:
                     json.dump({k: data.get(k) for k in ("bucket_sizes", "rebuilt_bucket_sizes", "world_size",
                                                         "nccl_version", "backend_name")}, f)
             step += 1
+            if step % STOP_CHECK_EVERY == 0:
+                # the ranks agree on when to stop: a rank that ran one step more than the others
+                # would wait in its all-reduce for ever (each rank's own clock decided before)
+                stop.fill_(float(time.time() >= t_end))
+                dist.all_reduce(stop, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
     print(f"rank {rank}: {step} steps", flush=True)
     return 0

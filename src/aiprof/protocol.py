@@ -29,16 +29,16 @@ MAX_DURATION_MS = 60_000
 DEFAULT_DURATION_MS = 2000
 DEFAULT_MAX_TRACE_MB = 512
 #: CUPTI PM sampling period (µs) under --what hw; 0 turns it off. Bounds: agent/pmsampling.py.
-#: Off unless asked for (--hw-pm-interval-us 100): only a process's first capture can have PM
-#: counters (CUPTI refuses PM sampling after Kineto's teardown), and the cost against kernel
-#: tracing alone is not shown within 1 % (docs/capture.md, "Ready before the capture").
+#: Off unless asked for (--hw-pm-interval-us 100) until its cost against kernel tracing alone is
+#: shown within 1 % (docs/capture.md, "What it costs").
 DEFAULT_HW_PM_INTERVAL_US = 0
 RECOMMENDED_HW_PM_INTERVAL_US = 100
 #: A capture with PM counters at fixed iterations prepares its profiler this long ahead, so that
-#: the sampler's set-up is over when the first iteration starts (0.95-1.48 s with 4 ranks setting
-#: up at once on 4 H100s, bench/pm_repeat.sh; 0.6 s alone); the planners of a common start
+#: its sampler process is set up when the first iteration starts: 0.9-1.1 s alone on an H100,
+#: 1.4-3.5 s with 4 ranks setting up at once on 4 H100s (each process resolving its metrics,
+#: which it no longer does; bench/pm_repeat.sh); the planners of a common start
 #: (attach/trigger.py, server/registry.py) leave as much room.
-PM_SETUP_LEAD_S = 2.0
+PM_SETUP_LEAD_S = 4.0
 #: ... and this much more while an agent has not loaded its PM sampler's library and resolved its
 #: metrics (agents report ``pm_ready``): 0.6-11.5 s in a fresh process on 4 H100s, the longest
 #: compiling the C side.

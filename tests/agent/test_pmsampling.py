@@ -1,19 +1,20 @@
-"""CUPTI PM sampling: where it cannot run (this CPU machine, CI), the agent says why and falls back
-to NVML/GPM; request validation. The GPU path itself is exercised by bench/pm_probe.py."""
+"""CUPTI PM sampling: the sampler process per capture (agent/pmsidecar.py) with real processes and
+pipes, its sampler standing in for CUPTI's (tests/agent/pm_standin.py); where CUPTI cannot run
+(this CPU machine, CI) the agent says why and falls back to NVML/GPM; request validation. The
+GPU path itself is exercised by bench/pm_sidecar.sh and bench/pm_repeat.sh."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 import time
-from typing import ClassVar
 
 import pytest
 
 from aiprof.protocol import CaptureRequest, RequestError
-from aiprof.agent.hwmon import HwSampler, pm_refused
+from aiprof.agent.hwmon import HwSampler
 from aiprof.agent.pmsampling import PmSampler, PmUnavailable
+from aiprof.agent.pmsidecar import PmSidecar, SidecarError
 
 
 def _has_gpu() -> bool:
@@ -41,7 +42,8 @@ def test_pm_interval_outside_bounds_is_refused_before_any_cupti_call():
 def test_hw_sampler_without_cuda_device_says_so_once():
     s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=None)
     s.start()
-    s.stop_pm(timeout=10)
+    s.stop_pm()
+    assert s._pm_ready.wait(10)
     samples = s.stop(timeout=10)
     assert s.pm_samples is None
     assert s.pm_status["asked"] and not s.pm_status["ok"]
@@ -62,26 +64,6 @@ def test_hw_sampler_pm_failure_on_a_cpu_machine_is_recorded_not_raised():
     assert not s.pm_status["ok"] and s.pm_status["error"]
     assert "cupti-pm" not in s.sources
     assert any("PM sampling unavailable" in n and "NVML/GPM" in n for n in s.notes)
-
-
-def test_pm_setup_waiting_for_the_profiler_is_released_by_stop():
-    # a capture that fails before the profiler is prepared: the setup gives up, no CUPTI call
-    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
-    s.start()
-    s.stop(timeout=10)
-    assert s._pm_ready.wait(10)
-    assert not s.pm_status["ok"] and "before the profiler was ready" in s.pm_status["error"]
-
-
-@pytest.mark.parametrize("env", [{}, {"LOCAL_RANK": "0"}, {"LOCAL_RANK": "1"}, {"LOCAL_RANK": "3"}])
-def test_every_local_rank_samples(env):
-    assert pm_refused(env, sessions=0) is None
-
-
-def test_one_pm_session_per_process():
-    assert pm_refused({}, sessions=0) is None
-    assert "one PM session per process" in pm_refused({}, sessions=1)
-    assert pm_refused({"AIPROF_PM_REPEAT": "1"}, sessions=3) is None
 
 
 def test_hw_sampler_pm_off_asks_nothing():
@@ -164,98 +146,171 @@ def test_gpm_and_nvlink_reads_pause_while_pm_samples():
     assert "nvmlGpmSampleGet" in nvml.calls and "nvmlDeviceGetFieldValues" in nvml.calls
 
 
-class _SlowSetup:
-    """Stands in for PmSampler where CUPTI cannot run (no GPU): its set-up stays "inside CUPTI"
-    for ``hold_s`` (an H100 configures in ~0.6 s), or until ``gate`` opens when one is given; it
-    records when it left and whether it was started."""
-
-    hold_s = 0.5
-    gate: threading.Event | None = None
-    left: ClassVar[list] = []
-    started: ClassVar[list] = []
-
-    def __init__(self, device: int, interval_us: int) -> None:
-        if self.gate is not None:
-            self.gate.wait(10)
-        else:
-            time.sleep(self.hold_s)
-        _SlowSetup.left.append(time.monotonic())
-        self.columns, self.metrics, self.chip, self.timing_ms = [], {}, "", {}
-
-    def start(self) -> None:
-        _SlowSetup.started.append(self)
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pm_standin.py")
 
 
-def _entered_cupti(s: HwSampler) -> None:
-    deadline = time.monotonic() + 10
-    while s._pm_idle.is_set() and time.monotonic() < deadline:
-        time.sleep(0.005)  # polling for the set-up thread, bounded
-    assert not s._pm_idle.is_set(), "the set-up never began"
+class _StandIn:
+    """The sampler process as tests drive it: the real child protocol with a sampler standing in
+    for CUPTI's (pm_standin.py), a gate file its set-up waits for, and the log it writes."""
+
+    def __init__(self, tmp_path, monkeypatch) -> None:
+        self.gate = str(tmp_path / "gate")
+        self.log = str(tmp_path / "standin.log")
+        monkeypatch.setattr(PmSidecar, "command", [sys.executable, STANDIN])
+        monkeypatch.setenv("STANDIN_LOG", self.log)
+        monkeypatch.delenv("STANDIN_MODE", raising=False)
+        monkeypatch.delenv("STANDIN_GATE", raising=False)
+        self.monkeypatch = monkeypatch
+
+    def gated(self) -> None:
+        self.monkeypatch.setenv("STANDIN_GATE", self.gate)
+
+    def open_gate(self) -> None:
+        open(self.gate, "w").close()
+
+    def mode(self, mode: str) -> None:
+        self.monkeypatch.setenv("STANDIN_MODE", mode)
+
+    def events(self, what: str) -> list[float]:
+        if not os.path.exists(self.log):
+            return []
+        with open(self.log) as f:
+            return [float(line.split()[1]) for line in f if line.startswith(what + " ")]
 
 
 @pytest.fixture
-def slow_setup(monkeypatch):
-    import aiprof.agent.pmsampling as pms
-
-    from aiprof.agent import hwmon
-
-    monkeypatch.setattr(pms, "PmSampler", _SlowSetup)
-    monkeypatch.setattr(hwmon, "_PM_SESSIONS", 0)  # a stand-in that starts counts as a session
-    monkeypatch.setattr(_SlowSetup, "started", [])
-    monkeypatch.setattr(_SlowSetup, "left", [])
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    return _SlowSetup
+def standin(tmp_path, monkeypatch):
+    return _StandIn(tmp_path, monkeypatch)
 
 
-def test_a_capture_that_ends_during_the_set_up_waits_for_it_to_leave_cupti(slow_setup):
-    """The profiler's stop finalises CUPTI; under a set-up still configuring it, that crashed the
-    job (SIGSEGV, 2 H100s): stop_pm cancels the set-up, waits until it is out of CUPTI, and only
-    then says CUPTI is free. The cancelled set-up never starts sampling."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sampler_process_samples_and_hands_its_rows_back(standin):
+    side = PmSidecar("GPU-pretend", 3, 100)
+    side.wait_ready(30)
+    assert standin.events("entered") == []  # no CUPTI before "start" (the job's profiler first)
+    assert side.device == 0  # its GPU is the only one it sees (CUDA_VISIBLE_DEVICES=<uuid>)
+    side.start()
+    assert side.columns == ["pm_sm_active_pct", "pm_dram_read_Bps"] and side.chip == "standin"
+    got = side.stop()
+    assert len(got.t0) == 1000 and got.values.shape == (1000, 2) and got.values.dtype.name == "float32"
+    assert got.batches[-1]["row_end"] == 1000 and len(got.clock) == 2
+    assert got.stats["sampler_process"]["pid"] == side.pid
+    side.proc.wait(10)
+    assert side.proc.returncode == 0 and not os.path.exists(side.dir)
+
+
+def test_the_metrics_a_prewarm_resolved_reach_the_sampler(standin):
+    side = PmSidecar(None, 0, 100, metrics={"pm_tensor_active_pct": "sm__pipe_tensor_cycles_active.avg.pct"})
+    side.wait_ready(30)
+    side.start()
+    assert side.columns == ["pm_tensor_active_pct"]
+    assert side.stop().metrics == ["sm__pipe_tensor_cycles_active.avg.pct"]
+
+
+def test_a_sampler_process_that_crashes_is_one_line_and_the_job_goes_on(standin):
+    standin.mode("crash")  # SIGSEGV inside the set-up, as a fault in CUPTI would
+    side = PmSidecar(None, 0, 100)
+    side.wait_ready(30)
+    with pytest.raises(SidecarError) as ei:
+        side.start()
+    msg = str(ei.value)
+    assert "killed by signal 11" in msg and "\n" not in msg
+    assert not os.path.exists(side.dir)
+
+
+def test_a_sampler_process_that_never_answers_is_killed(standin):
+    standin.mode("silent")
+    side = PmSidecar(None, 0, 100)
+    side.wait_ready(30)
+    t0 = time.monotonic()
+    with pytest.raises(SidecarError, match="gave no 'started' within 1 s"):
+        side.start(timeout=1.0)
+    assert time.monotonic() - t0 < 15
+    assert not _alive(side.pid)
+
+
+def test_a_sampler_failure_is_its_one_line_reason(standin):
+    standin.mode("fail")
+    side = PmSidecar(None, 0, 100)
+    side.wait_ready(30)
+    with pytest.raises(SidecarError, match="^stand-in: no PM sampling on this pretend GPU$"):
+        side.start()
+
+
+def test_a_sampler_process_ends_when_the_job_is_gone(standin):
+    """The job's exit closes the child's stdin: a sampling child stops and exits by itself."""
+    side = PmSidecar(None, 0, 100)
+    side.wait_ready(30)
+    side.start()
+    side.proc.stdin.close()  # what the job's death does to the pipe
+    side.proc.wait(15)
+    assert side.proc.returncode is not None
+    side.close()
+
+
+def test_a_sampler_past_its_lifetime_stops_by_itself_and_keeps_its_rows(standin, monkeypatch):
+    """No child outlives MAX_LIFETIME_S; one that stopped at it has written its rows, which the
+    capture's stop still takes."""
+    monkeypatch.setenv("STANDIN_LIFETIME", "5")  # the parent says "start" within ms of "ready"
+    side = PmSidecar(None, 0, 100)
+    side.wait_ready(30)
+    side.start()
+    side.proc.wait(30)  # it ends by itself, rows written
+    got = side.stop()
+    assert len(got.t0) == 1000
+
+
+def test_every_capture_gets_a_sampler_process_of_its_own(standin):
+    """CUPTI allows one PM session per process once Kineto has finalised it: each capture's
+    samples come from a fresh process, however many captures came before."""
+    pids = []
+    for _ in range(3):
+        s = HwSampler(interval_ms=50, gpu_uuids=["GPU-pretend"], pm_interval_us=100, cuda_index=0)
+        s.profiler_ready.set()
+        s.start()
+        assert s._pm_ready.wait(30)
+        s.stop(timeout=10)
+        assert s.pm_status["ok"], s.pm_status
+        assert s.pm_samples is not None and len(s.pm_samples.t0) == 1000
+        pids.append(s.pm_status["sampler_pid"])
+    assert len(set(pids)) == 3
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_capture_that_ends_during_the_set_up_kills_its_sampler(standin):
+    """No wait at the capture's stop: the sampler process still setting up is killed (its CUPTI
+    is its own, so nothing in the job can be left inside it), and never starts sampling."""
+    standin.gated()
     s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
     s.profiler_ready.set()
     s.start()
-    _entered_cupti(s)
-    assert s.stop_pm() is True
-    returned = time.monotonic()
-    # it returned only once the set-up had left CUPTI (race-free: it never fails when it waits)
-    assert s._pm_idle.is_set() and slow_setup.left and slow_setup.left[0] <= returned
+    _until(lambda: standin.events("entered"), "the sampler's set-up never began")
+    pid = s._pm_pending.pid
+    t0 = time.monotonic()
+    s.stop_pm()
+    assert time.monotonic() - t0 < 10
     assert s._pm_ready.wait(10)
     s.stop(timeout=10)
-    assert slow_setup.started == [] and not s.pm_status["ok"]
-    assert "the capture ended before PM sampling was set up" in s.pm_status["error"]
+    assert not _alive(pid) and standin.events("started") == []
+    assert not s.pm_status["ok"] and "the capture ended before PM sampling was set up" in s.pm_status["error"]
 
 
-def test_a_set_up_stuck_in_cupti_keeps_cupti_attached(slow_setup, monkeypatch):
-    """Past PM_BUSY_WAIT_S the stop goes on without tearing CUPTI down (stop_pm says False, and
-    cupti_teardown.keep takes our TEARDOWN_CUPTI back), with a note."""
-    from aiprof.agent import cupti_teardown, hwmon
-
-    monkeypatch.setattr(hwmon, "PM_BUSY_WAIT_S", 0.05)
-    gate = threading.Event()  # the set-up stays inside until the test lets it go
-    monkeypatch.setattr(slow_setup, "gate", gate)
+def test_a_set_up_waiting_for_the_profiler_is_released_by_stop(standin):
     s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
-    s.profiler_ready.set()
-    s.start()
-    _entered_cupti(s)
-    assert s.stop_pm() is False
-    assert any("still inside CUPTI" in n for n in s.notes)
-    monkeypatch.delenv(cupti_teardown.ENV, raising=False)
-    assert cupti_teardown.decide()["teardown"] is True  # as an earlier capture set it
-    kept = cupti_teardown.keep("the PM sampler's set-up was still inside CUPTI")
-    assert kept["teardown"] is False and cupti_teardown.ENV not in os.environ
-    gate.set()
-    assert s._pm_ready.wait(10)
+    s.start()  # the profiler is never ready: the sampler process runs, but no CUPTI and no sampling
+    _until(lambda: standin.events("spawned"), "the sampler process never ran")
     s.stop(timeout=10)
-    assert slow_setup.started == []
-
-
-def test_a_stop_before_the_set_up_enters_cupti_does_not_wait(slow_setup):
-    s = HwSampler(interval_ms=50, gpu_uuids=[], pm_interval_us=100, cuda_index=0)
-    s.start()  # the profiler is never ready: the set-up waits outside CUPTI
-    assert s.stop_pm() is True and "stop_waited_ms" not in s.pm_status
     assert s._pm_ready.wait(10)
-    s.stop(timeout=10)
-    assert slow_setup.started == [] and "before the profiler was ready" in s.pm_status["error"]
+    assert standin.events("entered") == [] and standin.events("started") == []
+    assert not s.pm_status["ok"] and "the capture ended before PM sampling was set up" in s.pm_status["error"]
 
 
 class _Job:
@@ -299,15 +354,14 @@ def _until(cond, what: str, limit_s: float = 60.0) -> None:
     assert cond(), what
 
 
-def test_recording_waits_for_the_pm_sampler_and_its_first_step_is_sampled(slow_setup, tmp_path, monkeypatch):
+def test_recording_waits_for_the_pm_sampler_and_its_first_step_is_sampled(standin, tmp_path):
     """Skip-based capture: no profiler while the sampler's library and metrics resolve (their CUPTI
     calls and Kineto's set-up never overlap: that crashed 4-rank jobs); then the profiler is
     prepared and the sampler set up; the recording starts only once the sampler runs. The job's
     iterations go on meanwhile (the driver never blocks a step)."""
     from aiprof.agent.capture import ARMED, RECORDING
 
-    gate = threading.Event()
-    monkeypatch.setattr(slow_setup, "gate", gate)
+    standin.gated()
     job = _pm_job(tmp_path)
     d = job.driver
     for _ in range(5):  # the library and metrics are not resolved yet
@@ -316,27 +370,27 @@ def test_recording_waits_for_the_pm_sampler_and_its_first_step_is_sampled(slow_s
     d._pm_prewarmed.set()  # what the prewarm thread does when it has resolved them
     job.step()
     assert d.prepared and d.sampler is not None  # the profiler first, then the sampler's set-up
-    _entered_cupti(d.sampler)
-    for _ in range(3):  # the set-up is inside CUPTI: iterations go on, none recorded
+    _until(lambda: standin.events("entered"), "the sampler's set-up never began")
+    for _ in range(3):  # the sampler is setting up: iterations go on, none recorded
         job.step()
     assert d.state == ARMED and d.steps == []
-    gate.set()
+    standin.open_gate()
     _until(d.sampler.pm_settled, "the set-up never ended")
     k = job.step()
     assert d.state == RECORDING and d.steps == [k]
-    assert slow_setup.started and slow_setup.left[0] < d.t_start  # sampling began before the first recorded step
+    started = standin.events("started")
+    assert started and started[0] < d.t_start  # sampling began before the first recorded step
     job.step(), job.step()
     _until(lambda: d.state == "idle", "the capture never finished")
     assert d.last_result["ok"], d.last_result
 
 
-def test_fixed_iterations_prepare_ahead_and_start_where_asked(slow_setup, tmp_path):
+def test_fixed_iterations_prepare_ahead_and_start_where_asked(standin, tmp_path):
     """A common start (``start_at``: every rank records the same iterations) is not moved: the
     profiler is prepared PM_SETUP_LEAD_S of iterations ahead, so the sampler is set up by then."""
     from aiprof.agent.capture import RECORDING
     from aiprof.protocol import PM_SETUP_LEAD_S
 
-    slow_setup.hold_s = 0.0
     job = _pm_job(tmp_path, start_at=70)
     d = job.driver
     d._pm_prewarmed.set()

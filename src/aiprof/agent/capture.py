@@ -50,14 +50,15 @@ EXPORT_WAIT_AT_EXIT_S = 30.0
 # (Kineto's post-processing, seconds at most), so the two do not share Kineto
 JOB_PROFILER_WAIT_S = 30.0
 OFFSTOP_ENV = "AIPROF_OFFSTOP"  # 0: stop the profiler on the training thread (torch's own stop_trace)
-# PM counters and Kineto must never be inside CUPTI at once (a CUPTI call of ours while Kineto
-# sets CUPTI up or tears it down crashed jobs with SIGSEGV: 4-rank DDP on H100s, 2026-11-26,
-# bench/pm_repeat.sh). So a capture with PM counters goes: the sampler's library and metrics
-# are resolved while armed (0.6-11.5 s on 4 H100s: the longest compiles the C side), then the profiler is prepared,
-# then the sampler configures (~0.6 s), then the recording starts, so that its first step has
-# samples. The job is never held: iterations go on and only the recording starts later, at
+# PM counters come from a sampler process per capture (agent/pmsidecar.py). So that the first
+# recorded step has samples, a capture with them goes: while armed, a first sampler process
+# builds the C side and resolves the GPU's metrics (cached per chip; 0.6-11.5 s the first time
+# on 4 H100s, the longest compiling); at the capture, the capture's sampler process starts
+# while the profiler is prepared, and sets CUPTI up and configures only once it is (never both
+# at once: that crashed 3 of 8 4-rank jobs); sampling starts (1.4-2.9 s after the process with
+# 4 ranks at once on 4 H100s), then the recording. The job is never held: iterations go on and only the recording starts later, at
 # most this long after the request; past it the capture records without PM counters (a
-# resolution still running then is not stopped; the longest seen took 11.5 s).
+# resolution still running then is not stopped).
 PM_READY_MAX_S = 30.0
 # A request for fixed iterations (``start_at``: every rank of a job records the same ones) has its
 # profiler prepared protocol.PM_SETUP_LEAD_S ahead (by the median iteration), so that the
@@ -150,6 +151,7 @@ class CaptureDriver:
         self._pm_prewarmed = threading.Event()  # ... and that work is over (resolved or failed)
         self.pm_prewarm_error: str | None = None  # why it failed: no PM set-up in this process
         self.pm_prewarm_s: float | None = None  # how long it took (meta.json hw.pm.prewarm_s)
+        self.pm_metrics: dict[str, str] | None = None  # the metrics it resolved, given to each capture's sampler
         # the job's CUDA device as its stepping thread sees it (torch.cuda.current_device() is the
         # calling thread's: the agent's threads would see device 0 on every rank); read once
         self.job_device: int | None = None
@@ -310,13 +312,10 @@ class CaptureDriver:
                 self._schedule_main("stop")
 
     def _prewarm_pm(self, req: CaptureRequest) -> None:
-        """While armed: load the PM sampler and find its metrics on a thread of its own (seconds
-        the first time), so that the capture's sampler only configures and starts."""
+        """While armed: a PM sampler process builds the C side and resolves the GPU's metrics
+        (cached per chip on disk; seconds the first time), so that a capture's sampler process only
+        configures and starts."""
         if "hw" not in req.what or not req.hw_pm_interval_us:
-            return
-        from aiprof.agent.hwmon import pm_refused
-
-        if pm_refused():  # this process will not sample (one per host): nothing to resolve
             return
         dev = self.job_device
         if dev is None:
@@ -324,18 +323,21 @@ class CaptureDriver:
         self._pm_prewarm_started = True
 
         def run() -> None:
+            side = None
             try:
-                from aiprof.agent.hwmon import use_device
-                from aiprof.agent.pmsampling import prewarm
+                from aiprof.agent.pmsidecar import PmSidecar
 
                 t0 = time.perf_counter()
-                use_device(dev)
-                prewarm(dev)
+                side = PmSidecar(self._device_uuid(dev), dev, req.hw_pm_interval_us, prewarm=True)
+                side.wait_ready()
+                self.pm_metrics = side.metrics or None
                 self.pm_prewarm_s = round(time.perf_counter() - t0, 3)
             except Exception as exc:  # every capture of this process says it, with the fallback
-                self.pm_prewarm_error = str(exc) if type(exc).__name__ == "PmUnavailable" else f"{type(exc).__name__}: {exc}"
+                self.pm_prewarm_error = str(exc) if type(exc).__name__ == "SidecarError" else f"{type(exc).__name__}: {exc}"
                 log.info(f"PM sampler prewarm: {self.pm_prewarm_error}")
             finally:
+                if side is not None:
+                    side.close()
                 self._pm_prewarmed.set()
 
         threading.Thread(target=run, name="aiprof-pm-prewarm", daemon=True).start()
@@ -453,10 +455,7 @@ class CaptureDriver:
         capture: the hot path reads the cached answer)."""
         if self.pm_wanted is None:
             self.pm_wanted = False
-            if wants_pm(req.what, req.hw_pm_interval_us) and self.job_device is not None:
-                from aiprof.agent.hwmon import pm_refused
-
-                self.pm_wanted = pm_refused() is None
+            self.pm_wanted = wants_pm(req.what, req.hw_pm_interval_us) and self.job_device is not None
         return self.pm_wanted
 
     def _ready_to_record(self, k: int, req: CaptureRequest) -> bool:
@@ -540,7 +539,7 @@ class CaptureDriver:
                                      f"capture, or over {PM_READY_MAX_S:.0f} s)")
             elif pm_us and dev is not None and self.pm_prewarm_error:
                 pm_us, why_not = 0, f"its library and metrics could not be set up ({self.pm_prewarm_error})"
-            self.sampler = HwSampler(req.hw_interval_ms, gpus, pm_us, dev, pm_not_run=why_not)
+            self.sampler = HwSampler(req.hw_interval_ms, gpus, pm_us, dev, pm_not_run=why_not, pm_metrics=self.pm_metrics)
             self.sampler.start()
         except Exception as exc:
             self.errors.append(f"hw sampler: {type(exc).__name__}: {exc}")
@@ -614,15 +613,25 @@ class CaptureDriver:
                 return []
             dev = torch.cuda.current_device()
             self.job_device = dev
-            props = torch.cuda.get_device_properties(dev)
-            self.info["device"] = {"index": dev, "name": props.name}
-            uuid = str(getattr(props, "uuid", "") or "")
-            if not uuid:
-                return []
-            return [uuid if uuid.startswith("GPU-") else "GPU-" + uuid]
+            self.info["device"] = {"index": dev, "name": torch.cuda.get_device_properties(dev).name}
+            uuid = self._device_uuid(dev)
+            return [uuid] if uuid else []
         except Exception as exc:
             self.errors.append(f"GPU id: {type(exc).__name__}: {exc}")
             return []
+
+    @staticmethod
+    def _device_uuid(dev: int) -> str | None:
+        """``GPU-…`` UUID of the job's CUDA device ``dev`` (CUDA initialised by the job), or None."""
+        try:
+            import torch
+
+            if not torch.cuda.is_initialized():
+                return None
+            uuid = str(getattr(torch.cuda.get_device_properties(dev), "uuid", "") or "")
+        except Exception:
+            return None
+        return (uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid) if uuid else None
 
     @_holds_the_job
     def _stop(self) -> None:
@@ -632,21 +641,15 @@ class CaptureDriver:
             rf, self.step_rf = self.step_rf, None
             if rf is not None:
                 rf.__exit__(None, None, None)
-            cupti_free = True
             if self.sampler is not None:
-                # PM sampling stops here, before stop_trace, which may finalise CUPTI under it
+                # PM sampling stops with the recording, before the profiler's stop
                 # (only where it can have started: a CPU job's Python trace keeps no agent frame)
                 if self.sampler.pm_interval_us and self.sampler.cuda_index is not None:
-                    cupti_free = self.sampler.stop_pm()
+                    self.sampler.stop_pm()
                 self.sampler._stop.set()  # joined by the exporter, not here
             if "cuda" in (self.info.get("activities") or ()):
-                # CUPTI detached at stop, else the job's CUDA calls stay slower (cupti_teardown.py);
-                # never while the PM sampler's set-up is inside it (hwmon.PM_BUSY_WAIT_S)
-                self.info["cupti_teardown"] = (cupti_teardown.decide() if cupti_free else
-                                               cupti_teardown.keep("the PM sampler's set-up was still inside CUPTI"))
-                pms = sys.modules.get("aiprof.agent.pmsampling")
-                if pms is not None and self.info["cupti_teardown"].get("teardown") is not False:
-                    pms.cupti_finalized()  # (None: not decided; a reset costs a few ms, a stale object a crash)
+                # CUPTI detached at stop, else the job's CUDA calls stay slower (cupti_teardown.py)
+                self.info["cupti_teardown"] = cupti_teardown.decide()
             t0 = time.perf_counter()
             self.info["stop"] = self._detach()
             if self.detached is None:

@@ -85,15 +85,6 @@ def decide() -> dict[str, Any]:
         return {"teardown": None, "why": f"not decided: {type(exc).__name__}: {exc}"}
 
 
-def keep(why: str) -> dict[str, Any]:
-    """Before ``stop_trace``: leave CUPTI attached at this stop (our own ``TEARDOWN_CUPTI=1`` taken
-    back; the job's own setting is the job's), because ``why``. For meta.json. Never raises."""
-    if _state["ours"]:
-        os.environ.pop(ENV, None)
-        _state["ours"] = False
-    return {"teardown": os.environ.get(ENV) == "1", "why": f"{why}: CUPTI stays attached at this stop"}
-
-
 # Kineto tears CUPTI down on a thread it detaches (CuptiActivityApi::teardownContext): that thread
 # subscribes to the runtime and driver API callbacks and waits until the exit callback of the
 # process's next CUDA call runs cuptiFinalize. A job that makes no CUDA call after the capture

@@ -12,14 +12,14 @@ Sources, each skipped quietly when missing (no GPU in CI, no psutil, no /sys/cla
 - psutil: system CPU %, this process's CPU %, system memory used, process RSS.
 - /sys/class/infiniband/*/ports/*/counters: port_{xmit,rcv}_data as bytes/s.
 - CUPTI PM sampling (agent/pmsampling.py), when asked for (``pm_interval_us``): the GPU's own
-  performance monitors every ~100 µs, decoded by a C thread into a bounded buffer. Where it
+  performance monitors every ~100 µs, read by a sampler process of the capture's own
+  (agent/pmsidecar.py) whose C thread decodes them into a bounded buffer. Where it
   cannot run (no GPU, no permission, old driver, MIG...) ``pm_status`` says why and the GPU
   counters above (NVML/GPM) are what the capture has.
 """
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from typing import Any
@@ -189,64 +189,21 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-#: The training thread does not wait for a PM sampler still being set up (it would stall the
-#: job): a capture that ends first has no PM samples, and says so.
-PM_SETUP_WAIT_S = 0.0
-#: ... but a set-up already inside CUPTI (configuring: ~0.6 s on an H100) is waited for, this
-#: long at most: the profiler's stop finalises CUPTI (TEARDOWN_CUPTI, agent/cupti_teardown.py),
-#: and a teardown under our set-up thread crashed the job with SIGSEGV (2 H100s, a capture that
-#: ended during the set-up: bench/x2_pmdevice.sh, 2026-11-26). Past it, CUPTI stays attached at
-#: this stop instead (stop_pm returns False), never torn down under us.
-PM_BUSY_WAIT_S = 3.0
-#: The PM sampler configures only once torch.profiler has set CUPTI up (prepare_trace), so that
-#: no CUPTI call of ours runs while Kineto initialises it and the samples are decoded in the
-#: profiler's timestamp domain from the first; bounded, for a profiler that never comes.
+#: A PM sampler process starts sampling only once torch.profiler has set CUPTI up in the job
+#: (prepare_trace), so that the first recorded step is sampled and the sampler's start never
+#: overlaps Kineto's own; bounded, for a profiler that never comes.
 PROFILER_READY_WAIT_S = 30.0
-
-
-# Set to "1" to let a process run more than one CUPTI PM session (see pm_refused).
-PM_REPEAT_ENV = "AIPROF_PM_REPEAT"
-# PM sessions this process started (pm_refused allows one)
-_PM_SESSIONS = 0
-
-
-def pm_refused(env: dict | None = None, sessions: int | None = None) -> str | None:
-    """Why this process must not run CUPTI PM sampling now, or None.
-
-    One PM session per process, the first capture that asks for it. Kineto finalises CUPTI at
-    the capture's stop (TEARDOWN_CUPTI, agent/cupti_teardown.py), and CUPTI then refuses PM
-    sampling for the rest of the process: after ``cuptiProfilerInitialize`` again,
-    ``cuptiPmSamplingGetCounterAvailability`` fails with CUPTI_ERROR_UNKNOWN (captures 2-10 of
-    4-rank DDP jobs on H100s, every rank, 2026-11-26, bench/pm_repeat.sh; the same on H200s,
-    bench/pm_probe.py). Without that re-initialisation the second session crashed the process
-    (SIGSEGV; now done, pmsampling.cupti_finalized). ``AIPROF_PM_REPEAT=1`` lets a process try
-    again (where the job keeps CUPTI attached, TEARDOWN_CUPTI=0: not measured).
-
-    Every local rank samples its own GPU: the rule "local rank 0 only" is gone with its cause (a
-    teardown under a set-up still inside CUPTI, see stop_pm and capture.PM_READY_MAX_S)."""
-    env = os.environ if env is None else env
-    sessions = _PM_SESSIONS if sessions is None else sessions
-    if env.get(PM_REPEAT_ENV) != "1" and sessions >= 1:
-        return (f"one PM session per process (this process had one already): CUPTI refuses PM sampling once "
-                f"Kineto has finalised it at a capture's stop; {PM_REPEAT_ENV}=1 tries anyway")
-    return None
-
-
-def use_device(dev: int) -> None:
-    """Make ``dev`` the calling thread's CUDA device, where the job has initialised CUDA (never
-    initialised here). For the agent's own threads, which start on device 0 whatever the job set
-    on its own thread (checked on 2 H100s: bench/x2_pmdevice.sh), before our CUPTI calls for
-    ``dev``: so that nothing of ours runs in device 0's context, another rank's GPU."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.set_device(dev)
+#: A capture that ends before its sampler runs waits this long at most (on the training thread)
+#: for the set-up thread to record why: it only has to see its killed child's pipe close.
+PM_CANCEL_WAIT_S = 2.0
 
 
 class HwSampler:
     """Samples until :meth:`stop`; samples are kept in memory (bounded) and returned by stop."""
 
     def __init__(self, interval_ms: int = 100, gpu_uuids: list[str] | None = None,
-                 pm_interval_us: int = 0, cuda_index: int | None = None, pm_not_run: str | None = None) -> None:
+                 pm_interval_us: int = 0, cuda_index: int | None = None, pm_not_run: str | None = None,
+                 pm_metrics: dict[str, str] | None = None) -> None:
         self.interval = max(0.01, interval_ms / 1000.0)
         self.gpu_uuids = gpu_uuids or []
         self.samples: list[Sample] = []
@@ -262,7 +219,8 @@ class HwSampler:
         self._ib_prev: dict[str, tuple[float, int, int]] = {}
         self.pm_interval_us = pm_interval_us
         self.cuda_index = cuda_index
-        self.pm: Any = None  # the running PmSampler
+        self.pm_metrics = pm_metrics  # what the agent's prewarm resolved (None: the sampler resolves them)
+        self.pm: Any = None  # the running sampler process (pmsidecar.PmSidecar)
         self.pm_samples: Any = None  # PmSamples once stopped
         self.pm_status: dict[str, Any] = {"asked": bool(pm_interval_us or pm_not_run), "ok": False}
         if pm_not_run:  # asked for, but the capture driver did not let it set up (capture.PM_READY_MAX_S)
@@ -271,12 +229,13 @@ class HwSampler:
         self._pm_lock = threading.Lock()
         self._pm_ready = threading.Event()
         self._pm_cancel = False
-        self._pm_idle = threading.Event()  # clear while the set-up thread is inside CUPTI
-        self._pm_idle.set()
+        self._pm_pending: Any = None  # the sampler process while it sets up (stop_pm kills it)
         self.profiler_ready = threading.Event()  # set by the capture driver after prepare_trace
 
     def _setup_pm(self) -> None:
-        """Start CUPTI PM sampling (in this thread: the first use builds the C side)."""
+        """Start the capture's PM sampler process (agent/pmsidecar.py), and its sampling once the
+        profiler is prepared (its CUPTI set-up never overlaps the job's). Runs on a thread of its
+        own; never raises."""
         if not self.pm_interval_us:
             return
         t0 = time.perf_counter()
@@ -284,75 +243,71 @@ class HwSampler:
             self.pm_status["error"] = "no CUDA device in use"
             self._pm_ready.set()
             return
-        why = pm_refused()
-        if why:
-            self.pm_status["error"] = why
-            self.notes.append(f"CUPTI PM sampling not run here: {why}; GPU counters come from NVML/GPM only")
-            self._pm_ready.set()
-            return
+        side = None
         try:
-            from aiprof.agent.pmsampling import PmSampler
+            from aiprof.agent.pmsidecar import PmSidecar
 
-            self.profiler_ready.wait(PROFILER_READY_WAIT_S)
-            with self._pm_lock:  # from here CUPTI is ours until _pm_idle is set (stop_pm waits for it)
-                if self._pm_cancel or self._stop.is_set():
-                    raise RuntimeError("the capture ended before the profiler was ready")
-                self._pm_idle.clear()
-            use_device(self.cuda_index)
-            pm = PmSampler(self.cuda_index, self.pm_interval_us)
             with self._pm_lock:
-                if self._pm_cancel:  # the capture already ended
-                    msg = (f"the capture ended before PM sampling was set up "
-                           f"({(time.perf_counter() - t0) * 1e3:.0f} ms); a later capture of this process starts faster")
-                    self.pm_status["error"] = msg
-                    self.notes.append(f"CUPTI PM sampling: {msg}; GPU counters come from NVML/GPM only")
-                    return
-                global _PM_SESSIONS
-                _PM_SESSIONS += 1  # counted before the start: a start that fails has touched CUPTI too
-                pm.start()
-                self.pm = pm
-            self.pm_status.update({"ok": True, "columns": pm.columns, "metrics": pm.metrics, "chip": pm.chip,
+                if self._pm_cancel or self._stop.is_set():
+                    raise RuntimeError("the capture ended before the PM sampler process started")
+                side = self._pm_pending = PmSidecar(self.gpu_uuids[0] if self.gpu_uuids else None,
+                                                    self.cuda_index, self.pm_interval_us, metrics=self.pm_metrics)
+            side.wait_ready()  # the process and the driver: no CUPTI yet
+            self.profiler_ready.wait(PROFILER_READY_WAIT_S)
+            if self._pm_cancel:
+                raise RuntimeError("cancelled")
+            side.start()  # CUPTI, configuration, sampling; stop_pm kills it meanwhile if the capture ends
+            with self._pm_lock:
+                self._pm_pending = None
+                if self._pm_cancel:
+                    raise RuntimeError("cancelled")
+                self.pm = side
+            self.pm_status.update({"ok": True, "columns": side.columns, "metrics": side.metrics, "chip": side.chip,
                                    "setup_ms": round((time.perf_counter() - t0) * 1e3, 1),
-                                   "setup_parts_ms": pm.timing_ms,
+                                   "setup_parts_ms": side.timing_ms, "sampler_pid": side.pid,
                                    "started_unix_ns": time.time_ns()})
             self.sources.append("cupti-pm")
         except Exception as exc:
-            msg = str(exc) if type(exc).__name__ == "PmUnavailable" else f"{type(exc).__name__}: {exc}"
+            if side is not None:
+                side.kill()
+                side.close()
+            with self._pm_lock:
+                self._pm_pending = None
+                cancelled = self._pm_cancel
+            if cancelled:
+                msg = (f"the capture ended before PM sampling was set up "
+                       f"({(time.perf_counter() - t0) * 1e3:.0f} ms)")
+                self.notes.append(f"CUPTI PM sampling: {msg}; GPU counters come from NVML/GPM only")
+            else:
+                msg = str(exc) if type(exc).__name__ == "SidecarError" else f"{type(exc).__name__}: {exc}"
+                self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
+                                  f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
             self.pm_status["error"] = msg
-            self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
-                              f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
         finally:
-            self._pm_idle.set()
             self._pm_ready.set()
 
     def pm_settled(self) -> bool:
-        """PM sampling runs, or its set-up is over without it (refused, failed): the recording
+        """PM sampling runs, or its set-up is over without it (failed, cancelled): the recording
         may start. True at once when PM sampling was not asked for."""
         return not self.pm_interval_us or self._pm_ready.is_set()
 
-    def stop_pm(self, timeout: float = PM_SETUP_WAIT_S) -> bool:
-        """Stop PM sampling now (bounded): before torch.profiler's stop_trace, which may finalise
-        CUPTI under it. A set-up still inside CUPTI is cancelled and waited for (PM_BUSY_WAIT_S at
-        most). Returns whether CUPTI is free of our calls (False: it must not be torn down at
-        this stop). Never raises."""
+    def stop_pm(self) -> None:
+        """Stop PM sampling now and take its rows; a sampler process still setting up is killed.
+        Either way its process has exited when this returns, so that its CUPTI is gone before the
+        job's profiler stops. Never raises."""
         try:
             if not self.pm_interval_us:
-                return True
-            self._pm_ready.wait(timeout)
+                return
             with self._pm_lock:
                 self._pm_cancel = True
                 pm, self.pm = self.pm, None
-            self.profiler_ready.set()  # release a setup still waiting for the profiler
-            if not self._pm_idle.is_set():
-                t0 = time.perf_counter()
-                free = self._pm_idle.wait(PM_BUSY_WAIT_S)
-                self.pm_status["stop_waited_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-                if not free:
-                    self.notes.append(f"CUPTI PM sampling: its set-up was still inside CUPTI after "
-                                      f"{PM_BUSY_WAIT_S:.0f} s: CUPTI is left attached at this stop")
-                    return False
-            if pm is None:
-                return True
+                pending, self._pm_pending = self._pm_pending, None
+            self.profiler_ready.set()  # release a set-up still waiting for the profiler
+            if pending is not None:
+                pending.kill()  # (and reaped: KILL_WAIT_S at most)
+            if pm is None:  # the set-up thread, released or its child killed, says why at once
+                self._pm_ready.wait(PM_CANCEL_WAIT_S)
+                return
             t0 = time.perf_counter()
             self.pm_samples = pm.stop()
             self.pm_status["stop_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -360,7 +315,6 @@ class HwSampler:
             self.pm_status["ok"] = False
             self.pm_status["error"] = f"stop: {type(exc).__name__}: {exc}"
             self.notes.append(f"CUPTI PM sampling failed at stop ({exc}); its samples are lost")
-        return self._pm_idle.is_set()
 
     def _setup(self) -> None:
         try:

@@ -1,14 +1,17 @@
 """GPU performance-monitor sampling at ~100 µs through CUPTI's PM sampling API.
 
+This module runs in a capture's PM sampler process (agent/pmsidecar.py), never in the job's:
+there, Kineto finalises CUPTI at each capture's stop and CUPTI refuses a second PM session.
+
 The C side (pmsampling.c) is compiled on first use with the system C++ compiler against the
 CUPTI headers (CUDA toolkit or the ``nvidia-*`` wheels) and cached like the attach shim. It
-dlopen()s the libcupti that the process already holds (torch's, used by Kineto), so PM sampling
-and Kineto's activity tracing share one CUPTI. A pthread of its own decodes the hardware buffer
-every ``DECODE_PERIOD_US`` into a bounded row buffer; Python only configures, starts, stops and
-copies the rows out afterwards, so the training thread pays nothing per sample.
+dlopen()s the job's libcupti (``LIBCUPTI_ENV``; else torch's wheel's, else the toolkit's). A
+pthread of its own decodes the hardware buffer every ``DECODE_PERIOD_US`` into a bounded row
+buffer; Python only configures, starts, stops and copies the rows out afterwards.
 
 Every public entry catches everything: a failure becomes :class:`PmUnavailable` with a one-line
-reason, which the caller (agent/hwmon.py) records in meta.json and falls back to NVML/GPM.
+reason, which the sampler process sends to the agent (agent/hwmon.py), which records it in
+meta.json and falls back to NVML/GPM.
 
 Metrics are asked for by *role* (``ROLES``): each role lists CUPTI metric names to try in
 order, and the first one the chip's PM sampler accepts (single pass) is used. docs/capture.md
@@ -52,6 +55,8 @@ MIN_SAMPLES_PER_DECODE = 64
 MAX_ROWS = 600_000
 #: Columns to leave out of the sampled set (comma list, e.g. "pm_nvlink_tx_Bps,pm_nvlink_rx_Bps").
 SKIP_ENV = "AIPROF_PM_SKIP"
+#: The libcupti to open, where set (agent/pmsidecar.py passes the job's to its sampler process).
+LIBCUPTI_ENV = "AIPROF_PM_LIBCUPTI"
 #: Bound on every wait for the C side (stop joins the decode thread).
 STOP_TIMEOUT_S = 5.0
 
@@ -114,7 +119,11 @@ def loaded_libcupti() -> str | None:
 
 
 def find_libcupti() -> str:
-    """The libcupti to use: the one already loaded, else torch's wheel's, else the toolkit's."""
+    """The libcupti to use: the one named by $AIPROF_PM_LIBCUPTI (the job's, given to its sampler
+    process), the one already loaded, else torch's wheel's, else the toolkit's."""
+    named = os.environ.get(LIBCUPTI_ENV)
+    if named and os.path.isfile(named):
+        return named
     got = loaded_libcupti()
     if got:
         return got
@@ -331,16 +340,6 @@ class PmSamples:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-# Set when a capture's stop let Kineto finalise CUPTI (TEARDOWN_CUPTI): the next sampler starts
-# the C side afresh (aps_reset) before any PM call, whatever the objects it kept.
-_FINALIZED = threading.Event()
-
-
-def cupti_finalized() -> None:
-    """Kineto tears CUPTI down at this capture's stop: the next session resets first."""
-    _FINALIZED.set()
-
-
 class PmSampler:
     """One device's PM sampling for one capture: configure, start, stop, rows."""
 
@@ -359,23 +358,18 @@ class PmSampler:
         t2 = time.perf_counter()
         if not self.metrics:
             raise PmUnavailable("no PM sampling metric accepted on this GPU")
-        self.chip = self.lib.aps_chip().decode(errors="replace")
         self.clock: list[dict[str, int]] = []
         self.started = False
         self.reset: str | None = None  # why the PM sampling object had to be re-created, if it did
         cols = list(self.metrics)
         names = [self.metrics[c] for c in cols]
-        if _FINALIZED.is_set():  # CUPTI was finalised under the objects of the last session
-            if self.lib.aps_reset() != 0:
-                raise PmUnavailable(f"PM sampling reset after CUPTI's teardown: {_err(self.lib)}")
-            _FINALIZED.clear()
-            self.reset = "CUPTI finalised at the last capture's stop"
         rc = self._configure(names)
         if rc != 0:  # CUPTI may have been finalised since (Kineto's teardown): start afresh once
             first = _err(self.lib)
             if self.lib.aps_reset() != 0 or self._configure(names) != 0:
                 raise PmUnavailable(f"PM sampling setup: {first}; after a reset: {_err(self.lib)}")
             self.reset = first
+        self.chip = self.lib.aps_chip().decode(errors="replace")  # known once configured (or resolved)
         self.columns = cols
         self.timing_ms = {"load": round((t1 - t0) * 1e3, 1), "metrics": round((t2 - t1) * 1e3, 1),
                           "configure": round((time.perf_counter() - t2) * 1e3, 1)}
