@@ -29,7 +29,8 @@ PY
 }
 for run in $(seq 1 $RUNS); do
   n_caps=$CAPTURES; [ "$run" = 1 ] && n_caps=$CAPTURES1
-  SECONDS_JOB=${SECONDS_JOB_FIXED:-$((15 + n_caps * 6))}  # seconds of training: the captures fit in it
+  # seconds of training: the captures fit in it (a capture with PM takes ~8 s: a 4 s lead, 5 steps, the export)
+  SECONDS_JOB=${SECONDS_JOB_FIXED:-$((15 + n_caps * 9))}
   say "run $run: $NPROC ranks, $n_caps captures of $ITERS iterations"
   rm -rf /tmp/cap; mkdir -p /tmp/cap
   env $JOBENV timeout $((SECONDS_JOB + 150)) python3 -m aiprof run --out /tmp/cap -- \
@@ -49,7 +50,7 @@ for run in $(seq 1 $RUNS); do
     [ "$rc" = 0 ] || { echo "-- the job's last lines:"; grep -v "^USDT" $K/r$run.log | tail -30 | cut -c1-300; }
     pm_summary /tmp/cap; } | tee -a $OUT/summary.txt
   if [ "$run" = 1 ]; then
-    last=${ANALYZE:-c1}  # the capture analysed: the first (the one with PM counters where one per process)
+    last=${ANALYZE:-$(ls /tmp/cap | sort -V | tail -1)}  # the capture analysed: by default the job's last
     say "aiprof analyze of capture $last (every rank)"
     python3 -m aiprof analyze /tmp/cap/$last --no-cache > $OUT/analyze_$last.txt 2>&1; echo "analyze rc=$?"
     grep -B1 -A12 "GPU counters\|Collectives ·" $OUT/analyze_$last.txt | cut -c1-200 | head -60
