@@ -54,6 +54,7 @@ class StandIn:
         self.chip, self.timing_ms, self.reset = "standin", {"configure": 1.0}, None
 
     def start(self) -> None:
+        print("a library's line on stdout")  # (CUPTI may print): it must not break the protocol
         _log("started")
         self.c0, self.u0 = 10**12, time.time_ns()
 
@@ -73,4 +74,4 @@ if __name__ == "__main__":
     if os.environ.get("STANDIN_LIFETIME"):  # a shorter life than the real MAX_LIFETIME_S, to see its end
         pmsidecar.MAX_LIFETIME_S = float(os.environ["STANDIN_LIFETIME"])
     ap_args = pmsidecar.parse_args(sys.argv[1:])
-    sys.exit(pmsidecar.serve(ap_args, sys.stdin.fileno(), sys.stdout, sampler_cls=StandIn))
+    sys.exit(pmsidecar.serve(ap_args, sys.stdin.fileno(), pmsidecar.protocol_stdout(), sampler_cls=StandIn))

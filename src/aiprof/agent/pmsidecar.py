@@ -137,8 +137,11 @@ def serve(args: argparse.Namespace, inp: int, out: IO[str], sampler_cls: Any = N
         pm.start()
         _send(out, {"started": {"chip": pm.chip, "columns": pm.columns, "metrics": pm.metrics,
                                 "timing_ms": {**parts, **pm.timing_ms}}})
-        _wait_line(inp, buf, deadline)  # "stop", or the job is gone, or our lifetime is over
+        line = _wait_line(inp, buf, deadline)  # "stop", or the job is gone, or our lifetime is over
         got = pm.stop()
+        if line is None and time.monotonic() < deadline:  # the job is gone: nobody takes the rows
+            shutil.rmtree(args.out_dir, ignore_errors=True)
+            return 0
         import numpy as np
 
         tmp = os.path.join(args.out_dir, ROWS_FILE + ".tmp.npz")
@@ -169,8 +172,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def protocol_stdout() -> IO[str]:
+    """The protocol's own copy of stdout; fd 1 itself then goes to stderr, so that whatever a
+    library prints (CUPTI, the driver) cannot come between the protocol's lines."""
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return proto
+
+
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_args(argv), sys.stdin.fileno(), sys.stdout)
+    return serve(parse_args(argv), sys.stdin.fileno(), protocol_stdout())
 
 
 # --------------------------------------------------------------------------------------- parent
@@ -254,9 +266,16 @@ class PmSidecar:
 
     def _answer(self, key: str, timeout: float) -> dict:
         assert self.proc.stdout is not None
-        line = _wait_line(self.proc.stdout.fileno(), self._buf, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        line = _wait_line(self.proc.stdout.fileno(), self._buf, deadline)
         if line is None:
-            raise self._failed(f"gave no '{key}' within {timeout:.0f} s")
+            ended = time.monotonic() < deadline  # its stdout closed before the time was up
+            if ended:
+                try:
+                    self.proc.wait(KILL_WAIT_S)  # for how it ended
+                except subprocess.TimeoutExpired:
+                    pass
+            raise self._failed(f"ended before '{key}'" if ended else f"gave no '{key}' within {timeout:.0f} s")
         try:
             msg = json.loads(line)
         except ValueError:
