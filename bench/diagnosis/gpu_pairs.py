@@ -324,6 +324,19 @@ def fp32_matmul():
     return make, "MATMUL_OFF_TENSOR_CORES", "torch.backends.cuda.matmul.allow_tf32 = True"
 
 
+def anomaly_mode():
+    """autograd's anomaly detection left on: every backward output checked for NaN with a host
+    read (a sync per output on the GPU) and every forward op's Python stack recorded. Fix: off."""
+    def make(fault):
+        model, opt, x = base_job()
+
+        def step(i):
+            with torch.autograd.set_detect_anomaly(fault):
+                return train_step(model, opt, x)
+        return step
+    return make, "ANOMALY_MODE", "torch.autograd.set_detect_anomaly(False)"
+
+
 def pageable_copy():
     """A 256 MiB pageable host tensor copied to the GPU every step (staged, blocking).
     Fix: pin it once and copy with non_blocking=True."""
@@ -438,6 +451,7 @@ PAIRS = {
     "host_tokenize": host_tokenize,
     "launch_bound": launch_bound,
     "fp32_matmul": fp32_matmul,
+    "anomaly_mode": anomaly_mode,
     "pageable_copy": pageable_copy,
     "dataloader_starved": dataloader_starved,
     "underfilled": underfilled,

@@ -13,6 +13,7 @@ import os
 
 from aiprof.diagnosis.causes import (
     allocator_churn,
+    anomaly_mode,
     comm_overlap,
     dataloader,
     decode_launch_bound,
@@ -47,6 +48,9 @@ REGISTRY: tuple[Detector, ...] = (
     allocator_churn.DETECTOR,
     new_shapes.DETECTOR,
     unfused_optimizer.DETECTOR,
+    # before the syncs: the engine's NaN checks read a value per backward output; their fix is
+    # turning anomaly mode off, not batching the reads
+    anomaly_mode.DETECTOR,
     # before the syncs and copies: those inside a save are the checkpoint's (its fix removes them)
     sync_checkpoint.DETECTOR,
     host_sync.DETECTOR,
