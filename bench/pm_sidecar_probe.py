@@ -23,7 +23,6 @@ job's busy and idle phases (from the job's log), and its own GPU memory.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import sys
@@ -78,13 +77,6 @@ def job(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cuinit() -> None:
-    cuda = ctypes.CDLL("libcuda.so.1")
-    rc = cuda.cuInit(0)
-    if rc != 0:
-        raise RuntimeError(f"cuInit: {rc}")
-
-
 def _own_gpu_mib() -> float | None:
     try:
         import pynvml
@@ -104,7 +96,9 @@ def sampler(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     if args.init == "cuinit":
-        _cuinit()
+        from aiprof.agent.pmsidecar import init_driver
+
+        init_driver()
     elif args.init == "context":
         import torch
 

@@ -55,7 +55,7 @@ OFFSTOP_ENV = "AIPROF_OFFSTOP"  # 0: stop the profiler on the training thread (t
 # builds the C side and resolves the GPU's metrics (cached per chip; 0.6-11.5 s the first time
 # on 4 H100s, the longest compiling); at the capture, the capture's sampler process starts
 # while the profiler is prepared, and sets CUPTI up and configures only once it is (never both
-# at once: that crashed 3 of 8 4-rank jobs); sampling starts (1.4-2.9 s after the process with
+# at once: that crashed 3 of 7 4-rank jobs); sampling starts (1.4-2.9 s after the process with
 # 4 ranks at once on 4 H100s), then the recording. The job is never held: iterations go on and only the recording starts later, at
 # most this long after the request; past it the capture records without PM counters (a
 # resolution still running then is not stopped).

@@ -20,7 +20,7 @@ The protocol is one JSON object per line over the child's stdin and stdout:
 
 The child's CUPTI never overlaps the job's: the agent sends "start" once the job's profiler is
 prepared, and waits for the child's exit before the profiler stops (a PM set-up that overlapped
-the job's CUPTI set-up crashed 3 of 8 4-rank jobs on H100s, in the job, not the sampler).
+the job's CUPTI set-up crashed 3 of 7 4-rank jobs on H100s, in the job, not the sampler).
 
 The child stops sampling and exits when its stdin closes (the job is gone) or after
 ``MAX_LIFETIME_S``; the parent bounds every wait and kills a child that does not answer.
@@ -47,7 +47,7 @@ MAX_LIFETIME_S = 600.0
 #: and resolves the metrics (3.1 s on an H100 with neither cached, bench/pm_sidecar.sh; up to
 #: 11.5 s in a 4-rank job's process); a child that takes longer is killed.
 READY_TIMEOUT_S = 60.0
-#: Longest the parent waits for "started": CUPTI's set-up and the PM configuration (0.6-2.6 s
+#: Longest the parent waits for "started": CUPTI's set-up and the PM configuration (0.7-2.6 s
 #: with 4 ranks at once on 4 H100s, bench/pm_repeat.sh).
 START_TIMEOUT_S = 30.0
 #: Longest the parent waits for "stopped" (the C side's stop is bounded by
@@ -88,7 +88,7 @@ def _wait_line(fd: int, buf: bytearray, deadline: float) -> str | None:
     return line.decode(errors="replace")
 
 
-def _cuinit() -> None:
+def init_driver() -> None:
     """Initialise the CUDA driver without a context: CUPTI's profiler needs the driver, and a
     context would cost GPU memory (~600 MiB on an H100) for nothing."""
     import ctypes
@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace, inp: int, out: IO[str], sampler_cls: Any = N
 
             parts["import"] = round((time.perf_counter() - t0) * 1e3, 1)
             t1 = time.perf_counter()
-            _cuinit()
+            init_driver()
             parts["driver"] = round((time.perf_counter() - t1) * 1e3, 1)
             if args.libcupti:
                 os.environ[pmsampling.LIBCUPTI_ENV] = args.libcupti
@@ -128,7 +128,7 @@ def serve(args: argparse.Namespace, inp: int, out: IO[str], sampler_cls: Any = N
                 return 0
             sampler_cls = pmsampling.PmSampler
         # No CUPTI call before "start": the parent sends it once the job's profiler is prepared,
-        # and our PM set-up overlapping the job's CUPTI set-up crashed 3 of 8 4-rank jobs (H100s)
+        # and our PM set-up overlapping the job's CUPTI set-up crashed 3 of 7 4-rank jobs (H100s)
         _send(out, {"ready": {"timing_ms": parts}})
         line = _wait_line(inp, buf, deadline)
         if line is None or json.loads(line).get("cmd") != "start":
@@ -150,7 +150,8 @@ def serve(args: argparse.Namespace, inp: int, out: IO[str], sampler_cls: Any = N
                                   dtype=np.int64).reshape(-1, 3))
         os.replace(tmp, os.path.join(args.out_dir, ROWS_FILE))
         _send(out, {"stopped": {"clock": got.clock, "stats": got.stats, "columns": got.columns,
-                                "metrics": got.metrics, "rows": int(len(got.t0))}})
+                                "metrics": got.metrics, "rows": int(len(got.t0)),
+                                "cpu_s": round(time.process_time(), 3)}})  # every thread's, start-up included
         return 0
     except Exception as exc:  # every failure is one line for the parent
         msg = str(exc) if type(exc).__name__ in ("PmUnavailable", "SidecarError") else f"{type(exc).__name__}: {exc}"
@@ -212,7 +213,6 @@ class PmSidecar:
         """Start the child (returns at once; :meth:`wait_ready` waits for its set-up). ``metrics``
         (what a prewarm resolved) spares the child resolving them: a second or more of CUPTI
         configuration images with four ranks setting up at once."""
-        self.interval_us = interval_us
         self.device = 0 if device_uuid else device
         self.dir = tempfile.mkdtemp(prefix="aiprof-pm-")
         self._buf = bytearray()
@@ -221,8 +221,6 @@ class PmSidecar:
         self.columns: list[str] = []
         self.metrics: dict[str, str] = {}
         self.timing_ms: dict[str, float] = {}
-        self.reset = None  # (what pmsampling.PmSampler reports; a fresh process never resets)
-        self.started = False
         cmd = list(self.command or [sys.executable, "-m", "aiprof.agent.pmsidecar"])
         cmd += ["--device", str(self.device), "--interval-us", str(interval_us), "--out-dir", self.dir]
         lib = _job_libcupti()
@@ -318,7 +316,6 @@ class PmSidecar:
         self.metrics = dict(got.get("metrics") or {})
         self.timing_ms.update(got.get("timing_ms") or {})
         self.timing_ms["start"] = round((time.perf_counter() - t0) * 1e3, 1)
-        self.started = True
 
     def stop(self, timeout: float = ANSWER_TIMEOUT_S) -> Any:
         """Stop sampling; returns the rows as pmsampling.PmSamples (the child then exits)."""
@@ -334,21 +331,12 @@ class PmSidecar:
         except (OSError, KeyError, ValueError) as exc:
             raise self._failed(f"left no readable rows ({exc})") from exc
         stats = dict(got.get("stats") or {})
-        stats["sampler_process"] = {"pid": self.proc.pid, "cpu_s": self._child_cpu_s()}
+        stats["sampler_process"] = {"pid": self.proc.pid, "cpu_s": got.get("cpu_s")}
         self.close()  # waits for its exit: its CUPTI is gone before the job's profiler stops
         return PmSamples(self.device, list(got.get("columns") or self.columns), list(got.get("metrics") or []),
                          t0, t1, values, list(got.get("clock") or []),
                          [{"row_end": int(a), "cupti_ns": int(b), "unix_ns": int(c)} for a, b, c in batches.tolist()],
                          stats)
-
-    def _child_cpu_s(self) -> float | None:
-        """CPU seconds the child used (its decode thread's cost), read before it exits."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 3)
-        except (OSError, IndexError, ValueError):
-            return None
 
     def kill(self) -> None:
         """End the child at once (safe at any point: its CUPTI is its own)."""

@@ -78,13 +78,15 @@ def detect(f: RankFacts) -> list[Cause]:
     if not roots.any():
         return []
     per = max(len(f.steps), 1)
-    if len(steps_with(f, roots)) < max(1, RECURRING_SHARE * len(f.steps)):
+    steps = steps_with(f, roots)
+    if len(steps) < max(1, RECURRING_SHARE * len(f.steps)):
         return []
     g = f.graph
-    region = f.under(outermost(f, roots))
+    tops = outermost(f, roots)
+    region = f.under(tops)
     check_region = f.under(checks)
     e = f.edit(CODE)
-    e.gap_remove += f.gap_time_in(f.union_of_nodes(outermost(f, roots)))
+    e.gap_remove += f.gap_time_in(f.union_of_nodes(tops))
     acts = f.actions_in(check_region)  # on a GPU: the reads' copies and syncs, the checks' launches
     e.cost_remove[acts] = g.cost[acts]
     e.no_wait[acts] = True
@@ -94,12 +96,15 @@ def detect(f: RankFacts) -> list[Cause]:
     n_checks = int(checks.sum()) // len(_NAN_CHECK)
     n_captures = int(captures.sum())
     check_ns = float((t.end[checks] - t.start[checks]).sum())
-    capture_ns = float((t.end[outermost(f, captures)] - t.start[outermost(f, captures)]).sum()) if n_captures else 0.0
+    cap_tops = outermost(f, captures)
+    capture_ns = float((t.end[cap_tops] - t.start[cap_tops]).sum())
     node = biggest_node(f, checks if checks.any() else captures)
     site, stack = site_and_stack(f, node)
+    # a read of the check's result waits for the GPU only where there is one
+    read = "a blocking read" if f.has_gpu else "a read of its result on the host"
     parts = []
     if n_checks:
-        parts.append(f"{n_checks / per:.0f} NaN checks per step in backward, each a blocking read "
+        parts.append(f"{n_checks / per:.0f} NaN checks per step in backward, each {read} "
                      f"({ms(check_ns / per)} of host time)")
     if n_captures:
         parts.append(f"{n_captures / per:.0f} Python stack captures per step in forward ({ms(capture_ns / per)})")
@@ -110,8 +115,8 @@ def detect(f: RankFacts) -> list[Cause]:
         code=CODE, rank=f.rank,
         title="autograd anomaly detection is on: " + "; ".join(parts),
         mechanism=("Anomaly mode records the Python stack of every autograd node created in forward and checks "
-                   "every backward output for NaN with isnan(...).any().item(), a host read that waits for the GPU "
-                   "to finish everything queued before it, once per output."),
+                   "every backward output for NaN with isnan(...).any().item(), once per output: a read of the result "
+                   "on the host, which on a GPU waits for everything queued before it."),
         remedy=("Turn anomaly detection off for training: remove torch.autograd.set_detect_anomaly(True) or the "
                 "`with torch.autograd.detect_anomaly():` block (PyTorch Performance Tuning Guide: disable "
                 "debugging APIs). To catch NaNs cheaply, check the loss once every N steps "
@@ -120,7 +125,7 @@ def detect(f: RankFacts) -> list[Cause]:
         evidence={"nan_checks": n_checks, "nan_checks_per_step": n_checks / per,
                   "stack_captures": n_captures, "stack_captures_per_step": n_captures / per,
                   "host_us_in_checks": check_ns / 1e3, "host_us_in_stack_captures": capture_ns / 1e3,
-                  "steps_with_checks": steps_with(f, roots)},
+                  "steps_with_checks": steps},
         edit=e, region=region, claims=idle_claim(f, region) if f.has_gpu else [])]
 
 
