@@ -11,7 +11,9 @@ Modes:
   runs it), no profiler; started after warm-up, its set-up and stop outside the timed steps;
 - ``kernels``: an aiprof capture ``--what kernels`` (Kineto kernel tracing);
 - ``kernels+hw``: ``--what kernels,hw`` without PM (NVML/GPM polling only);
-- ``kernels+pm``: ``--what kernels,hw --hw-pm-interval-us 100`` (what a user asks for).
+- ``kernels+pm``: ``--what kernels,hw --hw-pm-interval-us 100`` (what a user asks for);
+- ``kernels+pm-nvml1``: the same with ``--hw-interval-ms 10000``: NVML/psutil read at the start
+  and the end only, so that the job process's 100 ms NVML polling is told from PM sampling.
 
 Per process: ``--warmup`` untimed steps, then every step timed with a device synchronize before
 and after. With PM counters a capture records once its sampler runs (the steps before are run
@@ -36,7 +38,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-MODES = ("none", "pm", "kernels", "kernels+hw", "kernels+pm")
+MODES = ("none", "pm", "kernels", "kernels+hw", "kernels+pm", "kernels+pm-nvml1")
 # One process's result line on stdout: the driver reads only this.
 RESULT_PREFIX = "PM_OVERHEAD_RESULT "
 # A GPT-2 process imports torch and transformers, warms up and exports a capture in ~30 s on an
@@ -57,7 +59,8 @@ def _capture(mode: str, args, step, device: str, out: str) -> dict:
     what = "kernels" if mode == "kernels" else "kernels,hw"
     req = CaptureRequest(out=out, capture_id=mode.replace("+", "_"), what=what, skip=1,
                          iterations=args.drop + args.steps,
-                         hw_pm_interval_us=100 if mode == "kernels+pm" else 0).normalised()
+                         hw_pm_interval_us=100 if mode.startswith("kernels+pm") else 0,
+                         hw_interval_ms=10_000 if mode == "kernels+pm-nvml1" else 100).normalised()
     err = agent.driver.submit(req)
     if err is not None:
         return {"error": f"capture refused: {err}"}
@@ -71,7 +74,8 @@ def _capture(mode: str, args, step, device: str, out: str) -> dict:
     t_wait = time.monotonic()
     while agent.driver.state != "idle" and time.monotonic() - t_wait < 120:
         time.sleep(0.05)
-    res: dict = {"steps_s": ts[args.drop:], "dropped_s": sum(ts[:args.drop]), "armed_steps": armed}
+    res: dict = {"steps_s": ts[args.drop:], "dropped_s": sum(ts[:args.drop]), "armed_steps": armed,
+                 "capture_dir": os.path.join(out, req.capture_id, "rank0")}
     meta_path = os.path.join(out, req.capture_id, "rank0", "meta.json")
     try:
         with open(meta_path) as f:
@@ -82,6 +86,48 @@ def _capture(mode: str, args, step, device: str, out: str) -> dict:
     pm = (meta.get("hw") or {}).get("pm") or {}
     res["pm"] = {k: pm.get(k) for k in ("ok", "error", "rows", "gap_us", "setup_ms", "stop_ms", "columns", "stats")}
     return res
+
+
+def gpu_facts(rank_dir: str, top: int = 6) -> dict:
+    """What the GPU did in a capture (read after the timed steps, outside them): kernel time per
+    recorded step, the mean duration of the longest kernels by name, and the clocks NVML (hw.csv)
+    and PM (pm.csv.gz) saw. Tells a slower GPU (clocks, kernels) from a slower host."""
+    import csv
+    import gzip
+
+    facts: dict = {}
+    try:
+        with gzip.open(os.path.join(rank_dir, "trace.json.gz"), "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        by_name: dict[str, list[float]] = {}
+        steps = 0
+        for e in events:
+            if e.get("cat") == "kernel":
+                by_name.setdefault(e.get("name", "?"), []).append(float(e.get("dur", 0)))
+            elif e.get("name", "").startswith("ProfilerStep#"):
+                steps += 1
+        total = sum(sum(v) for v in by_name.values())
+        facts["kernel_ms_per_step"] = round(total / 1e3 / max(steps, 1), 3)
+        facts["steps"] = steps
+        longest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        facts["kernel_mean_us"] = {k[:60]: round(statistics.mean(v), 2) for k, v in longest}
+    except (OSError, ValueError) as exc:
+        facts["error"] = f"trace: {exc}"
+    try:
+        with open(os.path.join(rank_dir, "hw.csv")) as f:
+            clk = [float(r["value"]) for r in csv.DictReader(f) if r["metric"] == "sm_clock_mhz"]
+        if clk:
+            facts["nvml_sm_clock_mhz"] = {"median": statistics.median(clk), "min": min(clk), "n": len(clk)}
+    except OSError:
+        pass
+    try:
+        with gzip.open(os.path.join(rank_dir, "pm.csv.gz"), "rt") as f:
+            clk = [float(r["pm_gpc_clock_hz"]) / 1e6 for r in csv.DictReader(f) if r.get("pm_gpc_clock_hz")]
+        if clk:
+            facts["pm_gpc_clock_mhz"] = {"median": statistics.median(clk), "min": min(clk), "n": len(clk)}
+    except (OSError, KeyError):
+        pass
+    return facts
 
 
 def _pm_alone(args, step, device: str) -> dict:
@@ -177,11 +223,11 @@ def run_child(mode: str, args) -> dict:
         limit = min(limit, args.max_seconds)
     t0 = time.monotonic()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
+        # the one-process child's rounds go straight to our stderr, so a run cut short keeps them
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if mode == "all" else subprocess.PIPE,
+                           text=True, timeout=limit)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "error": f"timed out after {limit:.0f} s"}
-    if mode == "all":
-        sys.stderr.write(p.stderr[-6000:])
     wall = time.monotonic() - t0
     for line in p.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -189,7 +235,7 @@ def run_child(mode: str, args) -> dict:
             res["wall_s"] = round(wall, 1)
             res["rc"] = p.returncode  # a crash at exit (after the result) still shows here
             return res
-    tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+    tail = (p.stderr or p.stdout or "").strip().splitlines()[-3:]
     return {"mode": mode, "error": f"rc {p.returncode}, no result: {' | '.join(tail)[:400]}", "wall_s": round(wall, 1)}
 
 
@@ -264,12 +310,18 @@ def main() -> None:
                   + (f"  error: {res['error']}" if res.get("error") else "")
                   + f"  ({res.get('wall_s')} s)", file=sys.stderr, flush=True)
         rounds.append(got)
+    for r, got in enumerate(rounds):  # after every timed step: reading traces costs the job nothing
+        for mode in modes:
+            d = (got.get(mode) or {}).get("capture_dir")
+            if d:
+                got[mode]["gpu"] = gpu_facts(d)
+                print(f"round {r} {mode:11s} gpu {json.dumps(got[mode]['gpu'])}", file=sys.stderr, flush=True)
     rows = summarise(rounds, modes)
     print(f"{'mode':12s} {'step ms':>9s} {'x none':>8s} {'x kernels':>10s}  per round (ms)")
     for row in rows:
         fmt = lambda v: f"{v:.4f}" if v is not None else "-"  # noqa: E731
         print(f"{row['mode']:12s} {row['step_ms'] if row['step_ms'] is not None else '-':>9} {fmt(row['x_none']):>8s} "
-              f"{fmt(row['x_kernels']):>10s}  {row['per_round_ms']}")
+              f"{fmt(row['x_kernels']):>10s}  {row['per_round_ms']}  x kernels per round {row['x_kernels_per_round']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "rounds": rounds}, f, indent=1, default=str)

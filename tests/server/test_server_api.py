@@ -182,9 +182,9 @@ def test_trigger_needs_live_agents_and_plans_one_start(server):
         c.post("jobs/nojob/captures", {"request": {"iterations": 2}})
     assert e.value.status == 404 and "nojob" in str(e.value)
     t0 = time.monotonic()
-    for r, steps in ((0, 100), (1, 98)):
+    for r, steps in ((0, 100), (1, 98)):  # CPU agents: no PM sampler to leave room for
         c.post("agents", {"agent_id": f"h-{r}", "job": "j1", "host": "h", "pid": 10 + r, "rank": r, "world_size": 2,
-                          "steps": steps, "step_ms": 50.0})
+                          "steps": steps, "step_ms": 50.0, "pm_off": True})
     started = c.post("jobs/j1/captures", {"request": {"iterations": 2, "skip": 0}, "auto_analyze": False})
     # heartbeat 1 s + 0.75 s margin at 50 ms/step = 35 iterations (+1) past the highest count, which
     # the server extrapolates by one iteration per 50 ms since the heartbeat
@@ -210,11 +210,13 @@ def test_a_capture_with_pm_counters_gets_room_for_the_sampler(server):
     its set-up, and its loading while any rank has not loaded it (protocol.pm_lead_s)."""
     c = server.client()
     pm = {"iterations": 2, "skip": 0, "what": "kernels,hw", "hw_pm_interval_us": 100}
-    for job, ready, lead_s in (("pr", True, PM_SETUP_LEAD_S), ("pn", False, PM_SETUP_LEAD_S + PM_PREWARM_LEAD_S)):
+    # "po": agents that will not sample (CPU jobs report pm_off): no room at all
+    for job, ready, off, lead_s in (("pr", True, False, PM_SETUP_LEAD_S),
+                                    ("pn", False, False, PM_SETUP_LEAD_S + PM_PREWARM_LEAD_S), ("po", False, True, 0.0)):
         t0 = time.monotonic()
         for r in (0, 1):
             c.post("agents", {"agent_id": f"{job}-{r}", "job": job, "host": "h", "pid": 20 + r, "rank": r,
-                              "world_size": 2, "steps": 100, "step_ms": 50.0, "pm_ready": ready})
+                              "world_size": 2, "steps": 100, "step_ms": 50.0, "pm_ready": ready, "pm_off": off})
         started = c.post(f"jobs/{job}/captures", {"request": pm, "auto_analyze": False})
         late = int((time.monotonic() - t0) / 0.05) + 1  # iterations the server extrapolates since the heartbeat
         # heartbeat 1 s + 0.75 s + the lead, at 50 ms an iteration (+1), past the count of 100

@@ -150,6 +150,8 @@ class CaptureDriver:
         self._pm_prewarm_started = False  # once per process: the PM sampler's library and metrics
         self._pm_prewarmed = threading.Event()  # ... and that work is over (resolved or failed)
         self.pm_prewarm_error: str | None = None  # why it failed: no PM set-up in this process
+        # a capture's PM sampling failed in a way the next would repeat (hwmon.pm_failure_lasts)
+        self.pm_lasting_error: str | None = None
         self.pm_prewarm_s: float | None = None  # how long it took (meta.json hw.pm.prewarm_s)
         self.pm_metrics: dict[str, str] | None = None  # the metrics it resolved, given to each capture's sampler
         # the job's CUDA device as its stepping thread sees it (torch.cuda.current_device() is the
@@ -450,12 +452,28 @@ class CaptureDriver:
         its set-up (PM_SETUP_LEAD_S); agents report it so that planners leave room."""
         return self._pm_prewarmed.is_set() and self.pm_prewarm_error is None
 
+    @property
+    def pm_off(self) -> bool:
+        """This process would not sample PM counters now: it has not initialised CUDA (a CPU
+        job), or PM sampling failed here for good; planners leave it no room (protocol.pm_lead_s).
+        Read by the status thread: torch.cuda.is_initialized() never initialises CUDA."""
+        if self.pm_prewarm_error or self.pm_lasting_error:
+            return True
+        if self.job_device is not None:
+            return False
+        torch = sys.modules.get("torch")
+        try:
+            return torch is None or not torch.cuda.is_initialized()
+        except Exception:
+            return True
+
     def _pm_wanted(self, req: CaptureRequest) -> bool:
         """The request asks for PM counters on a CUDA job whose process may sample (read once per
         capture: the hot path reads the cached answer)."""
         if self.pm_wanted is None:
             self.pm_wanted = False
-            self.pm_wanted = wants_pm(req.what, req.hw_pm_interval_us) and self.job_device is not None
+            self.pm_wanted = (wants_pm(req.what, req.hw_pm_interval_us) and self.job_device is not None
+                              and self.pm_lasting_error is None)
         return self.pm_wanted
 
     def _ready_to_record(self, k: int, req: CaptureRequest) -> bool:
@@ -539,6 +557,8 @@ class CaptureDriver:
                                      f"capture, or over {PM_READY_MAX_S:.0f} s)")
             elif pm_us and dev is not None and self.pm_prewarm_error:
                 pm_us, why_not = 0, f"its library and metrics could not be set up ({self.pm_prewarm_error})"
+            elif pm_us and dev is not None and self.pm_lasting_error:
+                pm_us, why_not = 0, f"it failed in an earlier capture of this process ({self.pm_lasting_error})"
             self.sampler = HwSampler(req.hw_interval_ms, gpus, pm_us, dev, pm_not_run=why_not, pm_metrics=self.pm_metrics)
             self.sampler.start()
         except Exception as exc:
@@ -735,6 +755,8 @@ class CaptureDriver:
                 hw_rows = write_csv(os.path.join(d, "hw.csv"), samples, off)
                 hw_notes, hw_sources = self.sampler.notes, self.sampler.sources
                 self.pm_meta = dict(self.sampler.pm_status)
+                if self.pm_meta.get("lasting") and self.pm_lasting_error is None:
+                    self.pm_lasting_error = str(self.pm_meta.get("error"))  # later captures skip PM, saying why
                 if self.pm_meta.get("asked"):
                     self.pm_meta["prewarm_s"] = self.pm_prewarm_s
                 pm = self.sampler.pm_samples

@@ -28,6 +28,17 @@ from aiprof.agent import log
 
 Sample = tuple[int, str, str, float]
 MAX_SAMPLES = 200_000
+#: Failures of a capture's PM sampler that the next capture of the process would meet again:
+#: counters restricted to administrators (NVreg_RestrictProfilingToAdminUsers), a GPU or mode
+#: without PM sampling (pre-Turing, MIG, vGPU), no driver. The agent then skips PM in its later
+#: captures (saying why) instead of starting a sampler process each time to fail the same way.
+PM_LASTING_FAILURES = ("INSUFFICIENT_PRIVILEGES", "NOT_SUPPORTED", "no CUDA driver", "CUPTI headers",
+                       "libcupti not found", "cuda.h not found")
+
+
+def pm_failure_lasts(msg: str) -> bool:
+    """Whether a PM sampler's failure (its one-line reason) would repeat in every capture."""
+    return any(m in msg for m in PM_LASTING_FAILURES)
 GPM_MIN_WINDOW_S = 0.1
 
 # GPM metric id name -> our column name (ids resolved lazily from pynvml)
@@ -80,10 +91,17 @@ class _Gpu:
             return None
 
     def sample(self, out: list[Sample], t_ns: int, pm_running: bool = False) -> None:
-        """One reading of every NVML source. ``pm_running``: CUPTI PM sampling measures this
-        GPU's SM, tensor, DRAM, NVLink and PCIe activity every 100 µs, so the GPM and NVLink
-        field reads, which measure the same at 100 ms and take 2-2.5 ms of driver time each
-        (bench/hw_sources_cost.py on an H200), are left out."""
+        """One reading of every NVML source; none while ``pm_running`` (CUPTI PM sampling this GPU).
+
+        PM measures SM activity, clocks, DRAM, NVLink and PCIe every 100 µs, 1,000x finer than
+        these reads, and NVML polled from the job's process while a sampler process runs PM made
+        GPT-2 steps under kernel tracing ×1.050 longer (median of 5 paired rounds on an H100), the
+        GPU's kernel time unchanged (65.6-66.2 ms a step): the host was slowed, not the GPU. With
+        NVML read only before and after the PM session, ×0.997 (bench/pm_overhead.py, modes
+        kernels+pm and kernels+pm-nvml1; docs/capture.md "What it costs"). So the capture's
+        first and last samples keep power and memory, and PM covers the time between."""
+        if pm_running:
+            return
         N, h, d = self.N, self.h, self.label
         u = self._try("util", lambda: N.nvmlDeviceGetUtilizationRates(h))
         if u is not None:
@@ -98,8 +116,6 @@ class _Gpu:
         m = self._try("mem", lambda: N.nvmlDeviceGetMemoryInfo(h))
         if m is not None:
             out.append((t_ns, d, "mem_used_bytes", float(m.used)))
-        if pm_running:
-            return
         self._nvlink(out, t_ns)
         if self.gpm_ids:
             self._gpm(out, t_ns)
@@ -283,6 +299,8 @@ class HwSampler:
                 self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
                                   f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
             self.pm_status["error"] = msg
+            if not cancelled and pm_failure_lasts(msg):
+                self.pm_status["lasting"] = True
         finally:
             self._pm_ready.set()
 

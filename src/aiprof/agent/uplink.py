@@ -154,7 +154,7 @@ class Uplink:
         t = self.agent.tracker
         age = t.seconds_since_boundary()
         return {"steps": t.count, "step_ms": t.median_ms(), "state": self.agent.driver.state,
-                "pm_ready": self.agent.driver.pm_ready,
+                "pm_ready": self.agent.driver.pm_ready, "pm_off": self.agent.driver.pm_off,
                 "last_step_age_s": None if age is None else round(age, 3), "uploads_pending": self.pending}
 
     def _run(self) -> None:

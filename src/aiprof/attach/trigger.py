@@ -60,7 +60,9 @@ def plan_requests(agents: list[Agent], req: CaptureRequest) -> dict[int, Capture
             meds = [a.status.get("step_ms") for a in stepping if a.status.get("step_ms")]
             step_ms = max(meds) if meds else 100.0
             margin = min(MAX_MARGIN_ITERS, max(1, math.ceil(ALIGN_MARGIN_S * 1e3 / max(step_ms, 1e-3))))
-            lead = pm_lead_s(req.what, req.hw_pm_interval_us, all(a.status.get("pm_ready") for a in stepping))
+            lead = pm_lead_s(req.what, req.hw_pm_interval_us,
+                             all(a.status.get("pm_ready") or a.status.get("pm_off") for a in stepping),
+                             all(a.status.get("pm_off") for a in stepping))
             margin += math.ceil(lead * 1e3 / max(step_ms, 1e-3))
             start_at = top + max(req.skip, margin)
         for a in members:

@@ -34,7 +34,7 @@ def add_capture_options(p: argparse.ArgumentParser, wait_default: int | None) ->
     g.add_argument("--hw-interval-ms", type=int, default=100, metavar="MS", help="hardware sample period (default 100)")
     g.add_argument("--hw-pm-interval-us", type=int, default=DEFAULT_HW_PM_INTERVAL_US, metavar="US",
                    help="GPU performance-monitor (CUPTI PM sampling) period under --what hw, e.g. 100; "
-                        "0 = off (default: off, experimental; docs/capture.md)")
+                        f"0 = off (default {DEFAULT_HW_PM_INTERVAL_US}; NVML/GPM only where it cannot run: docs/capture.md)")
     g.add_argument("--max-trace-mb", type=int, default=512, metavar="MB", help="largest trace.json.gz kept (default 512)")
     g.add_argument("--no-warmup", action="store_true", help="do not prepare the profiler one iteration early (default: prepare)")
     g.add_argument("--probe-file", default=None, metavar="FILE",

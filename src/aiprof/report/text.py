@@ -65,6 +65,16 @@ def _short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
+#: Narrowest a kernel-family column may get in a wide table: "vectorized_elementwise_kernel" (29)
+#: and "unrolled_elementwise_kernel" must stay apart.
+FAMILY_MIN_WIDTH = 30
+
+
+def _family_label(family: str) -> str:
+    """A kernel family as shown: PyTorch's own namespace left out (every ATen kernel has it)."""
+    return family.removeprefix("at::native::")
+
+
 def _has_gpu(rank: dict) -> bool:
     """False for a CPU-only capture: its GPU breakdown (all idle, all zero) means nothing."""
     return bool((rank.get("hotspots") or {}).get("has_gpu", True))
@@ -119,11 +129,13 @@ def _counters_table(rank: dict) -> Table | None:
                      f"p99 gap {iv.get('p99', 0):.0f} µs; {lag})"), title_justify="left", show_edge=False)
     for col in ("family", "kernels", "sampled ms", "cover", "SM act %", "issue %", "tensor %", "DRAM rd GB/s",
                 "DRAM wr GB/s", "DRAM % peak", "L2 GB/s", "bound"):
-        t.add_column(col, justify="left" if col in ("family", "bound") else "right")
+        # the family names the row: never squeezed to "at::native…", which names several
+        t.add_column(col, justify="left" if col in ("family", "bound") else "right",
+                     **({"min_width": FAMILY_MIN_WIDTH, "overflow": "fold"} if col == "family" else {}))
     for f in c["families"][:15]:
         m = f["counters"]
         d = f.get("dram_pct_of_peak")
-        t.add_row(_short(f["family"], 48), str(f["kernels"]), _ms(f["sampled_us"]), f"{f['coverage_pct']:.0f}%",
+        t.add_row(_short(_family_label(f["family"]), 48), str(f["kernels"]), _ms(f["sampled_us"]), f"{f['coverage_pct']:.0f}%",
                   _pm(m, "pm_sm_active_pct"), _pm(m, "pm_sm_issue_pct"), _pm(m, "pm_tensor_active_pct"),
                   _pm(m, "pm_dram_read_Bps", 1e-9), _pm(m, "pm_dram_write_Bps", 1e-9),
                   "" if d is None else f"{d:.0f}", _pm(m, "pm_l2_Bps", 1e-9), f["bound"])

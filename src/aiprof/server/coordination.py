@@ -114,7 +114,8 @@ class JobCoordination:
             start_ns = plan_start_time(interval)
         elif r.start_at is None:
             start_at = plan_start(agents, r.skip, interval,
-                                  lead_s=pm_lead_s(r.what, r.hw_pm_interval_us, all(a.pm_ready for a in agents)))
+                                  lead_s=pm_lead_s(r.what, r.hw_pm_interval_us, all(a.pm_ready or a.pm_off for a in agents),
+                                                   all(a.pm_off for a in agents)))
             r.start_at = start_at
         timeout = max(10.0, min(float(body.get("timeout_s") or 300.0), 3600.0))
         state = {"capture_id": cid, "job": agents[0].job, "created": time.time(), "request": r.to_dict(),

@@ -58,6 +58,7 @@ class AgentInfo:
     step_ms: float | None = None
     state: str = "idle"
     pm_ready: bool = False  # its PM sampler's library and metrics are resolved (protocol.pm_lead_s)
+    pm_off: bool = False  # it will not sample PM counters: no CUDA in use, or PM failed there for good
     commands: deque = field(default_factory=lambda: deque(maxlen=MAX_COMMANDS))
 
     def estimated_steps(self, now: float) -> float:
@@ -145,6 +146,7 @@ class Registry:
             pass
         a.state = str(info.get("state") or "idle")[:32]
         a.pm_ready = info.get("pm_ready") is True
+        a.pm_off = info.get("pm_off") is True
 
     def jobs(self, alive_only: bool = True) -> dict[str, list[AgentInfo]]:
         now = time.time()

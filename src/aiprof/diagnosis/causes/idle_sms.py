@@ -8,7 +8,7 @@ GPU "busy" while most of it idles.
 One mechanism, one cause, two kinds of evidence; a kernel is judged by one of them only, so the
 same kernels never get two causes:
 
-* **GPU counters** (PM sampling, opt-in, capture.md "pm.csv.gz"): a compute kernel family whose
+* **GPU counters** (PM sampling, on by default under --what hw, capture.md "pm.csv.gz"): a compute kernel family whose
   kernels fill most of the sample windows they appear in (coverage >= ``MIN_COVERAGE_PCT``, so
   the counters are the family's own) with ``sm__cycles_active`` below
   ``analysis.counters.IDLE_SM_PCT``. Where a family's counters are its own they decide for it,
