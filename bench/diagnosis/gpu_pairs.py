@@ -337,6 +337,26 @@ def anomaly_mode():
     return make, "ANOMALY_MODE", "torch.autograd.set_detect_anomaly(False)"
 
 
+def zero_grad():
+    """Gradients zeroed every step (zero_grad(set_to_none=False)): a memset per parameter group
+    and, in backward, an add into each zeroed gradient. Fix: set_to_none=True. Wide embeddings and
+    a short sequence keep the gradients' memory passes a visible share of the step."""
+    def make(fault):
+        model = gpt2(n_layer=6, n_embd=1024, n_head=16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        x = torch.randint(0, 8192, (4, 128), device=DEV)
+
+        def step(i):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=not fault)
+            return loss
+        return step
+    return make, "ZEROED_GRADS", "optimizer.zero_grad(set_to_none=True)"
+
+
 def pageable_copy():
     """A 256 MiB pageable host tensor copied to the GPU every step (staged, blocking).
     Fix: pin it once and copy with non_blocking=True."""
@@ -452,6 +472,7 @@ PAIRS = {
     "launch_bound": launch_bound,
     "fp32_matmul": fp32_matmul,
     "anomaly_mode": anomaly_mode,
+    "zero_grad": zero_grad,
     "pageable_copy": pageable_copy,
     "dataloader_starved": dataloader_starved,
     "underfilled": underfilled,

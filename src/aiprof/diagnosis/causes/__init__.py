@@ -37,6 +37,7 @@ from aiprof.diagnosis.causes import (
     syscall_blocked,
     unexplained,
     unfused_optimizer,
+    zeroed_grads,
 )
 from aiprof.diagnosis.detector import Detector, Scope
 
@@ -48,6 +49,7 @@ REGISTRY: tuple[Detector, ...] = (
     allocator_churn.DETECTOR,
     new_shapes.DETECTOR,
     unfused_optimizer.DETECTOR,
+    zeroed_grads.DETECTOR,
     # before the syncs: the engine's NaN checks read a value per backward output; their fix is
     # turning anomaly mode off, not batching the reads
     anomaly_mode.DETECTOR,

@@ -1,0 +1,144 @@
+"""ZEROED_GRADS: gradients zeroed every step instead of set to None.
+
+Mechanism: ``optimizer.zero_grad(set_to_none=False)`` (or ``model.zero_grad(set_to_none=False)``)
+writes zeros into every gradient buffer each step (``aten::zero_`` per parameter, or one
+``aten::_foreach_zero_`` per group: a full pass over the gradients' memory), and the next
+backward then finds a gradient in place and adds into it: ``AccumulateGrad`` runs ``aten::add_``
+(read both, write one) where, with no gradient, it takes the backward's result as the gradient
+(``aten::detach``: no pass over memory). With ``set_to_none=True``, PyTorch's default since 2.0,
+neither runs. PyTorch's Performance Tuning Guide: "use parameter.grad = None instead of
+model.zero_grad() or optimizer.zero_grad()".
+
+Evidence: zeroing ops (``aten::zero_``, ``aten::_foreach_zero_``) inside an optimizer's
+``Optimizer.zero_grad#`` range or a ``zero_grad`` frame of torch's optimizer or module, and
+``aten::add_`` as the direct child of ``torch::autograd::AccumulateGrad`` after them, both in at
+least half of the steps. Fix priced: the zeroing ops and the adds of each step's first backward
+pass removed (host time, kernels); the adds of later backward passes of a step (gradient
+accumulation) add into the first pass's gradients either way and stay. A hand-written
+``p.grad.zero_()`` loop has no range or torch frame to tell its zeros from others': not detected.
+
+GPU traces only. The saving assumes the new gradients' memory is reused, as CUDA's caching
+allocator does. On the CPU, glibc maps large blocks fresh: on this cause's CPU pair
+(bench/diagnosis/cpu_zero_grad.py, 1024-wide layers, 4 MB gradients) ``set_to_none=True`` made
+each step *slower*, 23.3 against 18.2 ms, with 5.3x the page faults (1,140,380 against 216,870
+in 200 steps); with glibc told to keep freed blocks (``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` at 1 GiB) it was faster, 15.2 against 17.1 ms. A CPU trace does not
+show which allocator behaviour the fix would meet, so it says nothing there.
+
+Experimental (``AIPROF_EXPERIMENTAL_CAUSES=ZEROED_GRADS``) until its GPU pair
+(``zero_grad`` in bench/diagnosis/gpu_pairs.py) has run.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON
+from aiprof.diagnosis.causes.common import biggest_node, idle_claim, ms, outermost, site_and_stack, steps_with
+from aiprof.diagnosis.detector import Detector, Scope
+from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.model import Cause, Place
+
+CODE = "ZEROED_GRADS"
+_ZERO_OPS = ("aten::zero_", "aten::_foreach_zero_")
+_ZERO_GRAD_RANGE = "Optimizer.zero_grad#"  # torch.optim.Optimizer.zero_grad's record_function
+_ZERO_GRAD_FRAME = re.compile(r"torch/(optim/optimizer|nn/modules/module)\.py\(\d+\): zero_grad$")
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_ADD = "aten::add_"
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+#: Both in at least this share of the steps: the loop's own zeroing, not a one-off reset.
+RECURRING_SHARE = 0.5
+
+
+def _zeroing(f: RankFacts) -> np.ndarray:
+    """The outermost zeroing ops inside an optimizer's or module's ``zero_grad``."""
+    where = f.node_mask(lambda s: s.startswith(_ZERO_GRAD_RANGE), (ANNOTATION, OP))
+    where |= f.node_mask(lambda s: bool(_ZERO_GRAD_FRAME.search(s)), (PYTHON,))
+    if not where.any():
+        return np.zeros(len(f.tree), dtype=bool)
+    zeros = f.under(where) & f.node_mask(lambda s: s in _ZERO_OPS, (OP,))
+    return outermost(f, zeros)
+
+
+def _accumulating_adds(f: RankFacts) -> np.ndarray:
+    """``aten::add_`` ops that are the direct child of an ``AccumulateGrad`` node."""
+    t = f.tree
+    adds = f.node_mask(lambda s: s == _ADD, (OP,))
+    acc = f.node_mask(lambda s: s == _ACCUMULATE, (OP, ANNOTATION))
+    idx = np.nonzero(adds)[0]
+    par = t.parent[idx]
+    adds[idx[(par < 0) | ~acc[np.maximum(par, 0)]]] = False
+    return adds
+
+
+def _first_pass(f: RankFacts, adds: np.ndarray, zeroing: np.ndarray) -> np.ndarray:
+    """The adds of each step's first backward pass: those before the first op of the training
+    thread (the zeroing ops' thread) that starts after the step's first add and is not part of
+    a backward (the next micro-batch's forward, under gradient accumulation)."""
+    t = f.tree
+    out = np.zeros(len(t), dtype=bool)
+    add_idx = np.nonzero(adds)[0]
+    step_of = f.steps.index_of(t.start[add_idx])
+    backward = f.under(f.node_mask(lambda s: s.startswith(_BACKWARD_NODE), (OP, ANNOTATION)))
+    threads = set(t.tid[zeroing].tolist())
+    others = outermost(f, (t.kind == OP) & ~backward & np.isin(t.tid, list(threads)))
+    other_idx = np.nonzero(others)[0]
+    other_start = t.start[other_idx]
+    for s in set(step_of[step_of >= 0].tolist()):
+        mine = add_idx[step_of == s]
+        first = t.start[mine].min()
+        later = other_start[(other_start > first) & (f.steps.index_of(other_start) == s)]
+        cut = later.min() if len(later) else np.iinfo(np.int64).max
+        out[mine[t.start[mine] < cut]] = True
+    return out
+
+
+def detect(f: RankFacts) -> list[Cause]:
+    if not f.has_gpu:
+        return []  # the saving depends on the CPU allocator reusing memory: not in a trace (above)
+    zeroing = _zeroing(f)
+    if not zeroing.any():
+        return []
+    adds = _accumulating_adds(f)
+    if not adds.any():
+        return []
+    need = max(1, RECURRING_SHARE * len(f.steps))
+    if len(steps_with(f, zeroing)) < need or len(steps_with(f, adds)) < need:
+        return []
+    first = _first_pass(f, adds, zeroing)
+    roots = zeroing | first
+    g = f.graph
+    region = f.under(roots)
+    e = f.edit(CODE)
+    e.gap_remove += f.gap_time_in(f.union_of_nodes(roots))
+    acts = f.actions_in(region)  # on a GPU: the memsets' and adds' launches
+    e.cost_remove[acts] = g.cost[acts]
+    if g.n_ops:
+        e.drop_op[acts[g.o_action]] = True
+    t = f.tree
+    per = max(len(f.steps), 1)
+    zero_ns = float((t.end[zeroing] - t.start[zeroing]).sum())
+    add_ns = float((t.end[first] - t.start[first]).sum())
+    n_adds, n_all_adds = int(first.sum()), int(adds.sum())
+    site, stack = site_and_stack(f, biggest_node(f, zeroing))
+    return [Cause(
+        code=CODE, rank=f.rank,
+        title=(f"gradients are zeroed every step instead of set to None: {int(zeroing.sum()) / per:.0f} zeroing ops "
+               f"({ms(zero_ns / per)} on the host) and {n_adds / per:.0f} accumulating adds in backward "
+               f"({ms(add_ns / per)}) per step, each a pass over the gradients' memory"),
+        mechanism=("zero_grad(set_to_none=False) writes zeros into every gradient, and backward's AccumulateGrad "
+                   "then adds its result into them (aten::add_: two reads and a write of each gradient) instead "
+                   "of taking the result as the gradient: two passes over the gradients' memory that set_to_none "
+                   "skips."),
+        remedy=("Use optimizer.zero_grad(set_to_none=True) (PyTorch's default since 2.0) or model.zero_grad() "
+                "without set_to_none=False, or set p.grad = None (PyTorch Performance Tuning Guide). Code that "
+                "reads p.grad between zero_grad and backward must then handle None."),
+        place=Place("op", "zero_grad(set_to_none=False)", site, stack),
+        evidence={"zeroing_ops": int(zeroing.sum()), "host_us_zeroing": zero_ns / 1e3,
+                  "accumulating_adds": n_all_adds, "adds_removed": n_adds, "host_us_in_adds_removed": add_ns / 1e3,
+                  "steps_with_zeroing": steps_with(f, zeroing)},
+        edit=e, region=region, claims=idle_claim(f, region) if f.has_gpu else [])]
+
+
+DETECTOR = Detector(CODE, Scope.RANK, reads=("graph", "steps", "tree"), detect=detect, experimental=True)
