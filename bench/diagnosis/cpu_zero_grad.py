@@ -13,45 +13,31 @@ Wide layers and a small batch make the gradients' memory traffic a visible share
 """
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
+from cpu_job import options, train
 from torch import nn
 
 WIDTH = 1024
 LAYERS = 6
 BATCH = 8
-#: Steps before the unprofiled measurement (allocator, first-call costs).
-WARM = 10
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fault", action="store_true", help="the fault: zero_grad(set_to_none=False)")
-    ap.add_argument("--seconds", type=float, default=0.0, help="train this long (under aiprof run)")
-    ap.add_argument("--steps", type=int, default=0, help="train this many steps and print ms per step after WARM")
+    ap = options(__doc__, "--fault", "zero_grad(set_to_none=False)")
     ap.add_argument("--accum", type=int, default=1, help="backward passes per step (gradient accumulation)")
     args = ap.parse_args()
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU()) for _ in range(LAYERS)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(BATCH, WIDTH)
-    t_end = time.time() + args.seconds
-    step, t0 = 0, 0.0
-    while (args.steps and step < args.steps) or (not args.steps and time.time() < t_end):
-        if step == WARM:
-            t0 = time.perf_counter()
+
+    def step() -> None:
         opt.zero_grad(set_to_none=not args.fault)
         for _ in range(args.accum):  # the later passes add into the first one's gradients either way
             loss = model(x).square().mean()
             loss.backward()
         opt.step()
-        step += 1
-    if args.steps > WARM:
-        print(f"{(time.perf_counter() - t0) * 1e3 / (args.steps - WARM):.3f} ms per step", flush=True)
-    return 0
+    return train(step, args)
 
 
 if __name__ == "__main__":
