@@ -515,3 +515,24 @@ def test_a_lasting_sampler_failure_is_not_retried_by_later_captures(tmp_path):
     second = json.load(open(os.path.join(d.last_result["dir"], "meta.json")))["hw"]["pm"]
     assert not second["ok"] and "failed in an earlier capture" in second["error"], second
     assert "sampler_pid" not in second
+
+
+def test_a_job_that_ends_while_its_capture_waits_for_the_sampler_says_so(tmp_path, capsys):
+    """PM is on by default: a short GPU job can end while its capture, past --skip, still waits
+    for the sampler (the first on a machine compiles for ~10 s). The agent says so at exit,
+    with the option that records at once; a capture not yet reached says nothing."""
+    from aiprof.agent import log
+    from aiprof.agent.capture import ARMED
+
+    log._seen.discard("pm-wait-exit")
+    job = _pm_job(tmp_path, skip=5)
+    d = job.driver
+    job.step()
+    d.at_exit()  # before --skip is reached: fewer iterations ran, as `aiprof run` says itself
+    assert "waited" not in capsys.readouterr().err
+    for _ in range(8):  # past --skip, the library and metrics never resolved
+        job.step()
+    assert d.state == ARMED and d.steps == []
+    d.at_exit()
+    err = capsys.readouterr().err
+    assert "waited" in err and "GPU counters' sampler" in err and "--hw-pm-interval-us 0" in err

@@ -936,12 +936,26 @@ class CaptureDriver:
             log.warn_once(f"capture-fail-{self.captures_done}", f"capture failed: {result.get('error')}")
 
     # -- shutdown -----------------------------------------------------------------------------
+    def _say_pm_wait_at_exit(self) -> None:
+        """The job ends while a capture it reached waits for its PM sampler (the first one on a
+        machine compiles and resolves for ~10 s): say so, or `aiprof run` can only guess that
+        fewer iterations ran."""
+        req = self.req
+        if req is None or self.start_at is None or self.agent.tracker.count < self.start_at or not self.pm_wanted:
+            return
+        waited = time.perf_counter() - self.armed_at
+        log.warn_once("pm-wait-exit", f"the job ended while its capture waited {waited:.1f} s for the GPU counters' "
+                                      "sampler to start (PM sampling, on by default under --what hw); "
+                                      "--hw-pm-interval-us 0 records without waiting")
+
     def at_exit(self) -> None:
         """Interpreter exit: stop a capture in flight (main thread) and wait for its export."""
         try:
             if self.state == RECORDING and threading.current_thread() is threading.main_thread():
                 self.errors.append("the job exited during the capture")
                 self._stop()
+            elif self.state == ARMED:
+                self._say_pm_wait_at_exit()
             t = self.export_thread
             if t is not None and t.is_alive():
                 t.join(EXPORT_WAIT_AT_EXIT_S)
