@@ -30,7 +30,7 @@ DEFAULT_DURATION_MS = 2000
 DEFAULT_MAX_TRACE_MB = 512
 #: CUPTI PM sampling period (µs) under --what hw; 0 turns it off. Bounds: agent/pmsampling.py.
 #: On by default since its cost against kernel tracing alone measured ×1.009 (median of 5 paired
-#: rounds, GPT-2 on an H100) and 10 4-rank jobs on 4 H100s had counters in every capture, none
+#: rounds, GPT-2 on an H100; rounds 0.957-1.038) and 10 4-rank jobs on 4 H100s had counters in every capture, none
 #: crashing (docs/capture.md, "What it costs"); NVML/GPM is the fallback where it cannot run.
 DEFAULT_HW_PM_INTERVAL_US = 100
 RECOMMENDED_HW_PM_INTERVAL_US = 100

@@ -72,3 +72,24 @@ def test_no_cause_on_cpu_gradients_even_when_asked_for(capture, name, monkeypatc
     assert zeroed_grads.detect(_facts(capture(name))) == []
     rep = build_report(capture(name))
     assert not any(x["code"] == zeroed_grads.CODE for x in rep["causes"] + rep["minor"])
+
+
+def _as_if_on_a_gpu(f):
+    """The same facts with the GPU gate open: the evidence and pricing path on a real trace."""
+    import dataclasses
+
+    return dataclasses.replace(f, has_gpu=True)
+
+
+def test_with_the_gate_open_the_cause_is_priced_from_its_evidence(capture):
+    [c] = zeroed_grads.detect(_as_if_on_a_gpu(_facts(capture("fault"))))
+    ev = c.evidence
+    assert ev["zeroing_ops"] == PARAMS * 3 and ev["adds_removed"] == PARAMS * 3 == ev["accumulating_adds"]
+    assert c.place.site.startswith("cpu_zero_grad.py(") and "set_to_none=True" in c.remedy
+    assert c.edit.gap_remove.sum() > 0  # their host time (on a CPU trace all of it lies between replay actions)
+
+
+def test_with_the_gate_open_accumulation_prices_only_the_first_pass(capture):
+    [c] = zeroed_grads.detect(_as_if_on_a_gpu(_facts(capture("accum"))))
+    assert c.evidence["accumulating_adds"] == 2 * PARAMS * 3 and c.evidence["adds_removed"] == PARAMS * 3
+    assert zeroed_grads.detect(_as_if_on_a_gpu(_facts(capture("fix")))) == []

@@ -454,12 +454,13 @@ class CaptureDriver:
 
     @property
     def pm_off(self) -> bool:
-        """This process would not sample PM counters now: it has not initialised CUDA (a CPU
-        job), or PM sampling failed here for good; planners leave it no room (protocol.pm_lead_s).
-        Read by the status thread: torch.cuda.is_initialized() never initialises CUDA."""
+        """This process would not sample PM counters now: it ran iterations without initialising
+        CUDA (a CPU job), or PM sampling failed here for good; planners leave it no room
+        (protocol.pm_lead_s). Before its first iteration a GPU job may not have touched CUDA yet:
+        not off. Read by the status thread: torch.cuda.is_initialized() never initialises CUDA."""
         if self.pm_prewarm_error or self.pm_lasting_error:
             return True
-        if self.job_device is not None:
+        if self.job_device is not None or not getattr(getattr(self.agent, "tracker", None), "count", 0):
             return False
         torch = sys.modules.get("torch")
         try:

@@ -20,6 +20,7 @@ Sources, each skipped quietly when missing (no GPU in CI, no psutil, no /sys/cla
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from typing import Any
@@ -30,15 +31,17 @@ Sample = tuple[int, str, str, float]
 MAX_SAMPLES = 200_000
 #: Failures of a capture's PM sampler that the next capture of the process would meet again:
 #: counters restricted to administrators (NVreg_RestrictProfilingToAdminUsers), a GPU or mode
-#: without PM sampling (pre-Turing, MIG, vGPU), no driver. The agent then skips PM in its later
-#: captures (saying why) instead of starting a sampler process each time to fail the same way.
-PM_LASTING_FAILURES = ("INSUFFICIENT_PRIVILEGES", "NOT_SUPPORTED", "no CUDA driver", "CUPTI headers",
-                       "libcupti not found", "cuda.h not found")
+#: without PM sampling (pre-Turing, MIG, vGPU), no driver or no device (CUresult 100), no
+#: headers. The agent then skips PM in its later captures (saying why) instead of starting a
+#: sampler process each time to fail the same way. Read only in the sampler's own error answer.
+PM_LASTING_FAILURES = re.compile(r"\bCUPTI_ERROR_(INSUFFICIENT_PRIVILEGES|NOT_SUPPORTED|LEGACY_PROFILER_NOT_SUPPORTED)\b"
+                                 r"|^no CUDA driver \(|^cuInit failed \(CUresult 100\)"
+                                 r"|^CUPTI headers with|^libcupti not found|^cuda\.h not found")
 
 
 def pm_failure_lasts(msg: str) -> bool:
-    """Whether a PM sampler's failure (its one-line reason) would repeat in every capture."""
-    return any(m in msg for m in PM_LASTING_FAILURES)
+    """Whether a PM sampler's own failure answer (its one-line reason) would repeat in every capture."""
+    return bool(PM_LASTING_FAILURES.search(msg))
 GPM_MIN_WINDOW_S = 0.1
 
 # GPM metric id name -> our column name (ids resolved lazily from pynvml)
@@ -95,11 +98,12 @@ class _Gpu:
 
         PM measures SM activity, clocks, DRAM, NVLink and PCIe every 100 µs, 1,000x finer than
         these reads, and NVML polled from the job's process while a sampler process runs PM made
-        GPT-2 steps under kernel tracing ×1.050 longer (median of 5 paired rounds on an H100), the
-        GPU's kernel time unchanged (65.6-66.2 ms a step): the host was slowed, not the GPU. With
-        NVML read only before and after the PM session, ×0.997 (bench/pm_overhead.py, modes
-        kernels+pm and kernels+pm-nvml1; docs/capture.md "What it costs"). So the capture's
-        first and last samples keep power and memory, and PM covers the time between."""
+        GPT-2 steps under kernel tracing ×1.050 longer (median of 11 paired rounds on H100s, 9
+        above ×1.01), the GPU's kernel time unchanged (65.6-66.2 ms a step): the host was slowed,
+        not the GPU. With NVML read only before and after the PM session, ×1.004 (10 rounds, 4
+        above ×1.01; bench/pm_overhead.py, docs/capture.md "What it costs"). So the capture's
+        first and last samples keep power and memory, PM covers the time between, and readers
+        of hw.csv see that stretch as unsampled (timeseries.with_gaps, rankdiff.sm_clock_mhz)."""
         if pm_running:
             return
         N, h, d = self.N, self.h, self.label
@@ -299,7 +303,7 @@ class HwSampler:
                 self.notes.append(f"CUPTI PM sampling unavailable ({msg}); GPU counters come from NVML/GPM only, "
                                   f"at {self.interval * 1e3:.0f} ms (GPM windows >= {GPM_MIN_WINDOW_S * 1e3:.0f} ms)")
             self.pm_status["error"] = msg
-            if not cancelled and pm_failure_lasts(msg):
+            if not cancelled and getattr(exc, "reported", False) and pm_failure_lasts(msg):
                 self.pm_status["lasting"] = True
         finally:
             self._pm_ready.set()

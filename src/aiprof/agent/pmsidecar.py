@@ -61,7 +61,13 @@ STDERR_TAIL_BYTES = 4096
 
 
 class SidecarError(RuntimeError):
-    """The sampler process could not sample; ``str()`` is the one-line reason for meta.json."""
+    """The sampler process could not sample; ``str()`` is the one-line reason for meta.json.
+    ``reported``: the child said it itself (its ``error`` answer), not a crash, a silence or a
+    stray line read from its stderr."""
+
+    def __init__(self, msg: str, reported: bool = False) -> None:
+        super().__init__(msg)
+        self.reported = reported
 
 
 # ---------------------------------------------------------------------------------------- child
@@ -280,7 +286,7 @@ class PmSidecar:
             raise self._failed(f"answered {line[:120]!r}") from None
         if "error" in msg:
             self.close()
-            raise SidecarError(str(msg["error"]))
+            raise SidecarError(str(msg["error"]), reported=True)
         if key not in msg:
             raise self._failed(f"answered {sorted(msg)} instead of '{key}'")
         got = msg[key]

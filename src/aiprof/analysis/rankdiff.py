@@ -458,8 +458,13 @@ def compare_speed(base: RankTrace, slow: RankTrace) -> dict | None:
 
 # ---------------------------------------------------------------------------------------- clocks
 def sm_clock_mhz(rt: RankTrace) -> float | None:
-    """The median SM clock of the rank's GPU over its analysed window (all samples when none
-    fall inside it); None without ``hw.csv`` clock samples."""
+    """The median SM clock of the rank's GPU over its analysed window: from the PM counters'
+    GPC clock (every 100 µs) where they sampled it inside the window, else from ``hw.csv``'s
+    NVML samples (all of them when none fall inside it: NVML is not read while PM samples);
+    None without either."""
+    pm = _pm_clock_mhz(rt)
+    if pm is not None:
+        return pm
     h = rt.table("hw")
     if not len(h):
         return None
@@ -473,6 +478,20 @@ def sm_clock_mhz(rt: RankTrace) -> float | None:
     v = h["value"][m]
     v = v[np.isfinite(v)]
     return float(np.median(v)) if len(v) else None
+
+
+def _pm_clock_mhz(rt: RankTrace) -> float | None:
+    """The median PM ``pm_gpc_clock_hz`` sample (MHz) inside the rank's steps; None without one."""
+    p = rt.table("pm")
+    if not len(p):
+        return None
+    m = p.strings("metric").isin_labels(lambda s: s == "pm_gpc_clock_hz")
+    steps = find_steps(rt)
+    if len(steps):
+        m = m & (p["t0"] >= int(steps.start.min())) & (p["t1"] <= int(steps.end.max()))
+    v = p["value"][m]
+    v = v[np.isfinite(v) & (v > 0)]
+    return float(np.median(v)) / 1e6 if len(v) else None
 
 
 def compare(base: RankTrace, slow: RankTrace) -> dict:

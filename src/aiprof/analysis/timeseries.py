@@ -87,6 +87,31 @@ def load_hw(rt: RankTrace) -> HwSamples | None:
     return out
 
 
+#: A stretch between two samples of one series longer than this many of its median intervals
+#: was not sampled (NVML is not read while PM samples: agent/hwmon.py): a chart shows a gap
+#: there, not the last value held across it.
+UNSAMPLED_GAP_INTERVALS = 3.0
+
+
+def with_gaps(ts: np.ndarray, values: np.ndarray) -> tuple[list[int], list[float | None]]:
+    """A sampled series as lists, with a ``None`` value (a gap: not sampled) after every sample
+    followed by an unsampled stretch (UNSAMPLED_GAP_INTERVALS)."""
+    t, v = [int(x) for x in ts.tolist()], [float(x) for x in values.tolist()]
+    if len(t) < 3:
+        return t, list(v)
+    d = np.diff(np.asarray(ts, dtype=np.int64))
+    limit = UNSAMPLED_GAP_INTERVALS * float(np.median(d))
+    out_t: list[int] = []
+    out_v: list[float | None] = []
+    for i in range(len(t)):
+        out_t.append(t[i])
+        out_v.append(v[i])
+        if i + 1 < len(t) and limit > 0 and d[i] > limit:
+            out_t.append(t[i] + 1)  # just after the last sample before the stretch
+            out_v.append(None)
+    return out_t, out_v
+
+
 HW_MEMORY = {"mem_used_bytes": "used", "proc_rss_bytes": "process RSS"}  # memory metrics of hw.csv
 
 

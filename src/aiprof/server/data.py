@@ -153,9 +153,10 @@ class CaptureData:
             ohw = timeseries.load_hw(other)
             for (dev, metric), (ts, v) in sorted(ohw.series.items()) if ohw is not None else ():
                 if metric == HW_GPU_UTIL:
+                    gts, gv = timeseries.with_gaps(ts, v)  # none while PM sampled: a gap, not a held value
                     gpu_hw.append({"rank": other.rank, "host": other.meta.get("host_name", "") or "host", "device": dev,
                                    "offset_ns": self.offset_ns(other.rank) - self.offset_ns(rt.rank),
-                                   "ts": ts.tolist(), "value": v.tolist()})
+                                   "ts": gts, "value": gv})
         return {
             "rank": rt.rank, "device": rr["device"], "host": rr["host"], "step_source": rr["step_source"],
             "window": rr["window"], "summary": s,

@@ -127,7 +127,7 @@ export default async function overview(root, { rank }) {
   // clock, in ms after this rank's window start.
   const hasHw = d.hw.gpu_util.length > 0;
   const elU = panel(grid, 'gpu-util', 'GPU utilisation over time (%)',
-    (hasHw ? 'trace: busy share per bin, per rank by node · NVML: sampled per GPU'
+    (hasHw ? 'trace: busy share per bin, per rank by node · NVML: sampled per GPU (a gap: not sampled, as while the PM counters run)'
       : d.hw.file ? 'busy share per bin, from the trace. <b class="nohw">No GPU samples in this capture\'s hw.csv</b> (NVML was not available where it ran).'
         : 'busy share per bin, from the trace. <b class="nohw">No hardware samples (hw.csv) in this capture</b>: per-GPU NVML utilisation is shown only for captures made with <code>aiprof run/attach</code>.'));
   const o = d.window.start_ns;
@@ -135,7 +135,7 @@ export default async function overview(root, { rank }) {
     data: u.busy_pct.map((v, i) => [(u.start_ns + (u.offset_ns || 0) - o + i * u.bin_ns) / 1e6, v]) }));
   for (const x of d.hw.gpu_util) series.push({ name: `${x.host} rank ${x.rank} ${x.device} (NVML)`, type: 'line', showSymbol: false, step: 'start', lineStyle: { type: 'dashed' },
     data: x.ts.map((t, i) => [(t + (x.offset_ns || 0) - o) / 1e6, x.value[i]]) });
-  chart(elU, 'gpu-util', { tooltip: { trigger: 'axis', valueFormatter: (v) => `${v.toFixed(1)} %` }, legend: { bottom: 0, type: 'scroll' },
+  chart(elU, 'gpu-util', { tooltip: { trigger: 'axis', valueFormatter: (v) => (typeof v === 'number' ? `${v.toFixed(1)} %` : 'not sampled') }, legend: { bottom: 0, type: 'scroll' },
     grid: { left: 45, right: 15, top: 10, bottom: 50 },
     xAxis: { type: 'value', name: 'ms', nameLocation: 'end', min: 0, max: Math.ceil(winMs) },
     yAxis: { type: 'value', min: 0, max: 100, name: '%' }, series });

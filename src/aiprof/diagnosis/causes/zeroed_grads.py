@@ -12,9 +12,10 @@ model.zero_grad() or optimizer.zero_grad()".
 Evidence: zeroing ops (``aten::zero_``, ``aten::_foreach_zero_``) inside an optimizer's
 ``Optimizer.zero_grad#`` range or a ``zero_grad`` frame of torch's optimizer or module, and
 ``aten::add_`` as the direct child of ``torch::autograd::AccumulateGrad`` after them, both in at
-least half of the steps. Fix priced: the zeroing ops and the adds of each step's first backward
-pass removed (host time, kernels); the adds of later backward passes of a step (gradient
-accumulation) add into the first pass's gradients either way and stay. A hand-written
+least half of the steps. Fix priced: the zeroing ops removed, and the adds of the backward pass
+that follows each zero_grad call (from its first add to the training thread's next op outside a
+backward); the adds of later passes (gradient accumulation) add into that pass's gradients either
+way and stay, and so do adds no zero_grad precedes (another optimizer's grads set to None). A hand-written
 ``p.grad.zero_()`` loop has no range or torch frame to tell its zeros from others': not detected.
 
 GPU traces only. The saving assumes the new gradients' memory is reused, as CUDA's caching
@@ -51,20 +52,26 @@ _BACKWARD_NODE = "autograd::engine::evaluate_function: "
 RECURRING_SHARE = 0.5
 
 
-def _zeroing(f: RankFacts) -> np.ndarray:
-    """The outermost zeroing ops inside an optimizer's or module's ``zero_grad``."""
+def _zero_grad_calls(f: RankFacts) -> np.ndarray:
+    """The outermost ``zero_grad`` ranges and frames (of torch's optimizer or module)."""
     where = f.node_mask(lambda s: s.startswith(_ZERO_GRAD_RANGE), (ANNOTATION, OP))
-    where |= f.node_mask(lambda s: bool(_ZERO_GRAD_FRAME.search(s)), (PYTHON,))
-    if not where.any():
+    where = where | f.node_mask(lambda s: bool(_ZERO_GRAD_FRAME.search(s)), (PYTHON,))
+    return outermost(f, where)
+
+
+def _zeroing(f: RankFacts, calls: np.ndarray | None = None) -> np.ndarray:
+    """The outermost zeroing ops inside a ``zero_grad`` call."""
+    calls = _zero_grad_calls(f) if calls is None else calls
+    if not calls.any():
         return np.zeros(len(f.tree), dtype=bool)
-    zeros = f.under(where) & f.node_mask(lambda s: s in _ZERO_OPS, (OP,))
+    zeros = f.under(calls) & f.node_mask(lambda s: s in _ZERO_OPS, (OP,))
     return outermost(f, zeros)
 
 
 def _accumulating_adds(f: RankFacts) -> np.ndarray:
     """``aten::add_`` ops that are the direct child of an ``AccumulateGrad`` node."""
     t = f.tree
-    adds = f.node_mask(lambda s: s == _ADD, (OP,))
+    adds = f.node_mask(lambda s: s == _ADD, (OP,)).copy()  # node_mask's arrays are cached: not ours to edit
     acc = f.node_mask(lambda s: s == _ACCUMULATE, (OP, ANNOTATION))
     idx = np.nonzero(adds)[0]
     par = t.parent[idx]
@@ -73,25 +80,43 @@ def _accumulating_adds(f: RankFacts) -> np.ndarray:
 
 
 def _first_pass(f: RankFacts, adds: np.ndarray, zeroing: np.ndarray) -> np.ndarray:
-    """The adds of each step's first backward pass: those before the first op of the training
-    thread (the zeroing ops' thread) that starts after the step's first add and is not part of
-    a backward (the next micro-batch's forward, under gradient accumulation)."""
+    """The adds the fix removes: after each zero_grad call that zeroed something, those of the
+    backward pass that follows it, from its first add to the first op of the training thread
+    (the zeroing ops' thread) that starts after that add outside a backward (the next forward,
+    under gradient accumulation, or the optimizer)."""
     t = f.tree
     out = np.zeros(len(t), dtype=bool)
+    ends = np.sort(t.end[_ancestors_of(f, zeroing, _zero_grad_calls(f))])  # the calls that zeroed
     add_idx = np.nonzero(adds)[0]
-    step_of = f.steps.index_of(t.start[add_idx])
+    add_idx = add_idx[np.argsort(t.start[add_idx], kind="stable")]
+    add_start = t.start[add_idx]
     backward = f.under(f.node_mask(lambda s: s.startswith(_BACKWARD_NODE), (OP, ANNOTATION)))
-    threads = set(t.tid[zeroing].tolist())
-    others = outermost(f, (t.kind == OP) & ~backward & np.isin(t.tid, list(threads)))
-    other_idx = np.nonzero(others)[0]
-    other_start = t.start[other_idx]
-    for s in set(step_of[step_of >= 0].tolist()):
-        mine = add_idx[step_of == s]
-        first = t.start[mine].min()
-        later = other_start[(other_start > first) & (f.steps.index_of(other_start) == s)]
-        cut = later.min() if len(later) else np.iinfo(np.int64).max
-        out[mine[t.start[mine] < cut]] = True
+    threads = np.unique(t.tid[zeroing])
+    others = outermost(f, (t.kind == OP) & ~backward & np.isin(t.tid, threads))
+    other_start = np.sort(t.start[others])
+    for i, end in enumerate(ends):
+        nxt = ends[i + 1] if i + 1 < len(ends) else np.iinfo(np.int64).max
+        k = np.searchsorted(add_start, end, side="right")  # the first add after this call
+        if k >= len(add_start) or add_start[k] >= nxt:
+            continue  # no add before the next zero_grad: nothing accumulated into these zeros
+        j = np.searchsorted(other_start, add_start[k], side="right")
+        cut = min(other_start[j] if j < len(other_start) else np.iinfo(np.int64).max, nxt)
+        out[add_idx[(add_start >= add_start[k]) & (add_start < cut)]] = True
     return out
+
+
+def _ancestors_of(f: RankFacts, nodes: np.ndarray, among: np.ndarray) -> np.ndarray:
+    """Indices of the nodes of ``among`` that contain a node of ``nodes``."""
+    t = f.tree
+    found: set[int] = set()
+    for n in np.nonzero(nodes)[0]:
+        p = int(t.parent[n])
+        while p >= 0:
+            if among[p]:
+                found.add(p)
+                break
+            p = int(t.parent[p])
+    return np.array(sorted(found), dtype=np.int64)
 
 
 def detect(f: RankFacts) -> list[Cause]:
