@@ -100,7 +100,7 @@ class _Gpu:
         these reads, and NVML polled from the job's process while a sampler process runs PM made
         GPT-2 steps under kernel tracing ×1.050 longer (median of 11 paired rounds on H100s, 9
         above ×1.01), the GPU's kernel time unchanged (65.6-66.2 ms a step): the host was slowed,
-        not the GPU. With NVML read only before and after the PM session, ×1.004 (10 rounds, 4
+        not the GPU. With NVML read only before and after the PM session, ×1.004 (10 rounds, 3
         above ×1.01; bench/pm_overhead.py, docs/capture.md "What it costs"). So the capture's
         first and last samples keep power and memory, PM covers the time between, and readers
         of hw.csv see that stretch as unsampled (timeseries.with_gaps, rankdiff.sm_clock_mhz)."""

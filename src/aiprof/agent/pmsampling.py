@@ -364,7 +364,7 @@ class PmSampler:
         cols = list(self.metrics)
         names = [self.metrics[c] for c in cols]
         rc = self._configure(names)
-        if rc != 0:  # CUPTI may have been finalised since (Kineto's teardown): start afresh once
+        if rc != 0:  # once more from a fresh object (Kineto's teardown needed it in-process; now a guard)
             first = _err(self.lib)
             if self.lib.aps_reset() != 0 or self._configure(names) != 0:
                 raise PmUnavailable(f"PM sampling setup: {first}; after a reset: {_err(self.lib)}")

@@ -23,7 +23,8 @@ import re
 import numpy as np
 
 from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON
-from aiprof.diagnosis.causes.common import biggest_node, idle_claim, ms, outermost, site_and_stack, steps_with
+from aiprof.diagnosis.causes.common import (biggest_node, idle_claim, ms, outermost, removal_edit, site_and_stack,
+                                            steps_with)
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
@@ -81,17 +82,11 @@ def detect(f: RankFacts) -> list[Cause]:
     steps = steps_with(f, roots)
     if len(steps) < max(1, RECURRING_SHARE * len(f.steps)):
         return []
-    g = f.graph
     tops = outermost(f, roots)
     region = f.under(tops)
-    check_region = f.under(checks)
-    e = f.edit(CODE)
-    e.gap_remove += f.gap_time_in(f.union_of_nodes(tops))
-    acts = f.actions_in(check_region)  # on a GPU: the reads' copies and syncs, the checks' launches
-    e.cost_remove[acts] = g.cost[acts]
+    # on a GPU: the reads' copies and syncs, the checks' launches; no longer waited for either
+    e, acts = removal_edit(f, tops, CODE, acts=f.actions_in(f.under(checks)))
     e.no_wait[acts] = True
-    if g.n_ops:
-        e.drop_op[acts[g.o_action]] = True
     t = f.tree
     n_checks = int(checks.sum()) // len(_NAN_CHECK)
     n_captures = int(captures.sum())

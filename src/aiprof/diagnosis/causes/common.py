@@ -93,6 +93,20 @@ def ops_mask(f: RankFacts) -> np.ndarray:
     return f.tree.kind == OP if len(f.tree) else np.zeros(0, dtype=bool)
 
 
+def removal_edit(f: RankFacts, roots: np.ndarray, code: str, acts: np.ndarray | None = None):
+    """The fix "this work no longer runs": the host time inside the nodes ``roots`` removed, and
+    the replay actions ``acts`` (default: every action inside them: launches, copies, syncs) with
+    their costs and kernels. Returns (edit, the actions removed)."""
+    g = f.graph
+    e = f.edit(code)
+    e.gap_remove += f.gap_time_in(f.union_of_nodes(roots))
+    acts = f.actions_in(f.under(roots)) if acts is None else acts
+    e.cost_remove[acts] = g.cost[acts]
+    if g.n_ops:
+        e.drop_op[acts[g.o_action]] = True
+    return e, acts
+
+
 def offload_edit(f: RankFacts, nodes: np.ndarray, code: str, workers: int = 1):
     """The fix "run this host work elsewhere, ahead of the GPU": its host time leaves the
     training thread's lane, but the step cannot get shorter than that work divided among

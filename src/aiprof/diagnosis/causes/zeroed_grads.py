@@ -36,7 +36,8 @@ import re
 import numpy as np
 
 from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON
-from aiprof.diagnosis.causes.common import biggest_node, idle_claim, ms, outermost, site_and_stack, steps_with
+from aiprof.diagnosis.causes.common import (biggest_node, idle_claim, ms, outermost, removal_edit, site_and_stack,
+                                            steps_with)
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import Cause, Place
@@ -79,14 +80,16 @@ def _accumulating_adds(f: RankFacts) -> np.ndarray:
     return adds
 
 
-def _first_pass(f: RankFacts, adds: np.ndarray, zeroing: np.ndarray) -> np.ndarray:
+def _first_pass(f: RankFacts, adds: np.ndarray, zeroing: np.ndarray, calls: np.ndarray | None = None) -> np.ndarray:
     """The adds the fix removes: after each zero_grad call that zeroed something, those of the
     backward pass that follows it, from its first add to the first op of the training thread
     (the zeroing ops' thread) that starts after that add outside a backward (the next forward,
     under gradient accumulation, or the optimizer)."""
     t = f.tree
     out = np.zeros(len(t), dtype=bool)
-    ends = np.sort(t.end[_ancestors_of(f, zeroing, _zero_grad_calls(f))])  # the calls that zeroed
+    calls = _zero_grad_calls(f) if calls is None else calls
+    zeroed = {a for n in np.nonzero(zeroing)[0] for a in t.ancestors(n) if calls[a]}  # the calls that zeroed
+    ends = np.sort(t.end[sorted(zeroed)]) if zeroed else np.zeros(0, np.int64)
     add_idx = np.nonzero(adds)[0]
     add_idx = add_idx[np.argsort(t.start[add_idx], kind="stable")]
     add_start = t.start[add_idx]
@@ -105,24 +108,11 @@ def _first_pass(f: RankFacts, adds: np.ndarray, zeroing: np.ndarray) -> np.ndarr
     return out
 
 
-def _ancestors_of(f: RankFacts, nodes: np.ndarray, among: np.ndarray) -> np.ndarray:
-    """Indices of the nodes of ``among`` that contain a node of ``nodes``."""
-    t = f.tree
-    found: set[int] = set()
-    for n in np.nonzero(nodes)[0]:
-        p = int(t.parent[n])
-        while p >= 0:
-            if among[p]:
-                found.add(p)
-                break
-            p = int(t.parent[p])
-    return np.array(sorted(found), dtype=np.int64)
-
-
 def detect(f: RankFacts) -> list[Cause]:
     if not f.has_gpu:
         return []  # the saving depends on the CPU allocator reusing memory: not in a trace (above)
-    zeroing = _zeroing(f)
+    calls = _zero_grad_calls(f)
+    zeroing = _zeroing(f, calls)
     if not zeroing.any():
         return []
     adds = _accumulating_adds(f)
@@ -131,16 +121,10 @@ def detect(f: RankFacts) -> list[Cause]:
     need = max(1, RECURRING_SHARE * len(f.steps))
     if len(steps_with(f, zeroing)) < need or len(steps_with(f, adds)) < need:
         return []
-    first = _first_pass(f, adds, zeroing)
+    first = _first_pass(f, adds, zeroing, calls)
     roots = zeroing | first
-    g = f.graph
     region = f.under(roots)
-    e = f.edit(CODE)
-    e.gap_remove += f.gap_time_in(f.union_of_nodes(roots))
-    acts = f.actions_in(region)  # on a GPU: the memsets' and adds' launches
-    e.cost_remove[acts] = g.cost[acts]
-    if g.n_ops:
-        e.drop_op[acts[g.o_action]] = True
+    e, _ = removal_edit(f, roots, CODE)  # on a GPU: the memsets' and adds' launches too
     t = f.tree
     per = max(len(f.steps), 1)
     zero_ns = float((t.end[zeroing] - t.start[zeroing]).sum())
