@@ -95,18 +95,23 @@ def profiled(name: str, fn, start: int = 1000, with_stack: bool = True, active: 
     return dst
 
 
-def gpt2(n_layer=4, n_embd=512, n_head=8, vocab=8192, positions=1024):
+def gpt2(n_layer=4, n_embd=512, n_head=8, vocab=8192, positions=1024, activation="gelu_new"):
+    """transformers' GPT-2. Its default activation, "gelu_new", is the GELU written out in
+    elementwise ops (NewGELUActivation): an UNFUSED_POINTWISE chain in every job built on it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=positions, vocab_size=vocab)
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=positions, vocab_size=vocab,
+                     activation_function=activation)
     return GPT2LMHeadModel(cfg).to(DEV)
 
 
-def base_job(fused: bool = True, **opt_kw):
-    """The healthy base of the training pairs: a GPT-2 (6 layers, width 768) on 16 x 1024 tokens,
-    bf16 autocast, fused AdamW; on an H100 its GPU work outlasts the host's (GPU-bound)."""
-    model = gpt2(n_layer=6, n_embd=768, n_head=12)
+def base_job(fused: bool = True, activation: str = "gelu_pytorch_tanh", **opt_kw):
+    """The base of the training pairs: a GPT-2 (6 layers, width 768) on 16 x 1024 tokens, bf16
+    autocast, fused AdamW; on an H100 its GPU work outlasts the host's (GPU-bound). Its GELU is
+    the fused one: transformers' default "gelu_new", written out, is a fault of its own (46 % of
+    the step on an H100, the gelu_new pair), and each pair measures one fault."""
+    model = gpt2(n_layer=6, n_embd=768, n_head=12, activation=activation)
     kw = opt_kw or ({"fused": True} if fused else {})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kw)
     x = torch.randint(0, 8192, (16, 1024), device=DEV)
@@ -443,6 +448,16 @@ def healthy_gpt2():
     return make, None, "healthy: bf16 autocast, fused AdamW, data on the GPU"
 
 
+def gelu_new():
+    """transformers' GPT-2 with its default "gelu_new" activation, a GELU written out in eight
+    elementwise ops (the healthy_gpt2 job). Fix: "gelu_pytorch_tanh", the same function as one
+    fused kernel (F.gelu(approximate="tanh"))."""
+    def make(fault):
+        model, opt, x = base_job(activation="gelu_new" if fault else "gelu_pytorch_tanh")  # fix = healthy_gpt2
+        return lambda i: train_step(model, opt, x)
+    return make, "UNFUSED_POINTWISE", 'activation_function="gelu_pytorch_tanh"'
+
+
 def healthy_compiled():
     def make(fault):
         torch.manual_seed(0)
@@ -477,6 +492,7 @@ PAIRS = {
     "dataloader_starved": dataloader_starved,
     "underfilled": underfilled,
     "healthy_gpt2": healthy_gpt2,
+    "gelu_new": gelu_new,
     "healthy_compiled": healthy_compiled,
 }
 HEALTHY = ("healthy_gpt2", "healthy_compiled")

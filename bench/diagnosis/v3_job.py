@@ -18,6 +18,28 @@ Cases (fault -> fix):
   ddp_healthy   4-rank DDP, no fault
   fsdp_healthy  4-rank FSDP2 (fully_shard per block), no fault
 
+GPU-kernel cases (issue 29), on a nanoGPT-style model (its attention through
+F.scaled_dot_product_attention) at 48 sequences unless --batch says otherwise (GPU-bound on an H100):
+  pointwise     GELU and LayerNorm written out in elementwise ops (nanoGPT's old new_gelu, a
+                mean/var/normalise LayerNorm) -> F.gelu(approximate="tanh"), F.layer_norm
+  attention     eager attention (q @ k^T, scale, causal masked_fill, softmax, dropout, @ v) ->
+                F.scaled_dot_product_attention(is_causal=True, dropout_p=DROPOUT)
+  gate          a negative control: the same written-out GELU over one gate vector of d elements
+                per block (a few tiny kernels) -> F.gelu of it
+  tf32          no autocast: fp32 matmuls with TF32 off (PyTorch's default) -> TF32 allowed
+  anomaly       torch.autograd.set_detect_anomaly(True) -> off
+  zerograd      opt.zero_grad(set_to_none=False) -> set_to_none=True
+  compile       the eager model (the healthy nanoGPT job) -> torch.compile(model) (default mode,
+                compiled in the warm-up steps): what fusion saves on a healthy job
+  h2d           a 48 MiB fp32 feature tensor (added to the embeddings) copied to the GPU every
+                step from pageable memory -> from pinned memory, non_blocking
+  gradnorm      every gradient's norm read with .item() each step (a sync per parameter) ->
+                the norms stacked on the GPU and read once
+  emptycache    torch.cuda.empty_cache() every step -> none
+  lncompile     the eager model -> its LayerNorms alone compiled (torch.compile per LayerNorm module):
+                what a generated LayerNorm backward saves over ATen's (SM_ARRAY_IDLE's remedy for its
+                gamma/beta kernel of 16 blocks)
+
 --times writes {"ms_per_step": ..., "steps": N, "window": [first, last)}: the wall time of the
 steps [warm, warm + steps) between two device syncs (rank 0 for distributed cases).
 """
@@ -26,17 +48,24 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import time
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 WARM = 10  # steps before the timed window; `aiprof run --skip 10` captures from the same step
 STALL_STEP = WARM + 1  # inside both the timed window and a 3-iteration capture after --skip WARM
 STALL_S = 0.080
 FILE_BYTES = 256 << 20
 LIVE_OBJECTS = 3_000_000
+DROPOUT = 0.1  # attention-probability dropout, in both variants of the attention case
+#: the cases on the nanoGPT-style model (NanoBlock), and their default sequences per step
+NANO_CASES = ("pointwise", "attention", "gate", "tf32", "anomaly", "zerograd", "compile", "h2d", "gradnorm",
+              "emptycache", "lncompile")
+NANO_BATCH = 48
 
 
 class Block(nn.Module):
@@ -52,17 +81,76 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def new_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) written out, as nanoGPT and many model files once did."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class WrittenLayerNorm(nn.LayerNorm):
+    """LayerNorm written out in elementwise ops and reductions (the fault of the pointwise case)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu = x.mean(-1, keepdim=True)
+        var = (x - mu).pow(2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class NanoBlock(nn.Module):
+    """A nanoGPT block: causal self-attention (fused, or eager with ``eager_attention``) and an
+    MLP; ``written`` writes its GELU and LayerNorms out; ``gate`` scales the MLP's output by a
+    written-out GELU of a d-element parameter (or F.gelu of it, ``gate == "fused"``)."""
+
+    def __init__(self, d: int, heads: int, seq: int, eager_attention: bool = False, written: bool = False,
+                 gate: str = "") -> None:
+        super().__init__()
+        norm = WrittenLayerNorm if written else nn.LayerNorm
+        self.ln1, self.ln2 = norm(d), norm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads, self.eager, self.written, self.gate_kind = heads, eager_attention, written, gate
+        self.gate = nn.Parameter(torch.ones(d)) if gate else None
+        self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)), persistent=False)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.eager:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(~self.mask[:n, :n], float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = F.dropout(att, DROPOUT, self.training)
+            y = att @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=DROPOUT if self.training else 0.0, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, n, d))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = new_gelu(h) if self.written else F.gelu(h, approximate="tanh")
+        y = self.out(h)
+        if self.gate is not None:
+            y = y * (new_gelu(self.gate) if self.gate_kind == "written" else F.gelu(self.gate, approximate="tanh"))
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 8192, d: int = 512, layers: int = 6, heads: int = 8, seq: int = 1024) -> None:
+    def __init__(self, vocab: int = 8192, d: int = 512, layers: int = 6, heads: int = 8, seq: int = 1024,
+                 block=None, written_norm: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(seq, d))
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
+        self.blocks = nn.ModuleList((block or Block)(d, heads) for _ in range(layers))
+        self.ln = WrittenLayerNorm(d) if written_norm else nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         x = self.emb(idx) + self.pos[: idx.shape[1]]
+        if features is not None:
+            x = x + features
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln(x))
@@ -74,8 +162,9 @@ def main() -> None:
     ap.add_argument("--variant", choices=("fault", "fix"), required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--times", default="")
-    ap.add_argument("--batch", type=int, default=8,
-                    help="sequences per rank (48 makes the step GPU-bound on an H100: the 4-rank pairs)")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="sequences per rank (default 8, 48 for the nanoGPT cases; 48 makes the step "
+                         "GPU-bound on an H100: the 4-rank pairs)")
     ap.add_argument("--cpu", action="store_true", help="a smoke test of the script on a machine without a GPU")
     a = ap.parse_args()
     fault = a.variant == "fault"
@@ -93,8 +182,19 @@ def main() -> None:
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
     torch.manual_seed(0)
-    seq, batch = 512, a.batch
-    model = GPT(seq=2 * seq).to(dev)
+    seq, batch = 512, a.batch or (NANO_BATCH if a.case in NANO_CASES else 8)
+    block = None
+    if a.case in NANO_CASES:
+        def block(d: int, heads: int) -> NanoBlock:
+            return NanoBlock(d, heads, 2 * seq, eager_attention=fault and a.case == "attention",
+                             written=fault and a.case == "pointwise",
+                             gate=("written" if fault else "fused") if a.case == "gate" else "")
+    model = GPT(seq=2 * seq, block=block, written_norm=fault and a.case == "pointwise").to(dev)
+    autocast = not (a.case == "tf32")  # the tf32 case runs in fp32: TF32 is its only difference
+    if a.case == "tf32":
+        torch.backends.cuda.matmul.allow_tf32 = not fault
+    if a.case == "anomaly" and fault:
+        torch.autograd.set_detect_anomaly(True)
     if a.case == "ddp_uneven" or a.case == "ddp_healthy":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -109,6 +209,17 @@ def main() -> None:
     graphs = a.case == "launch" and not fault
     if graphs:  # the optimizer stays eager, as in the fault; only the forward/backward is graphed
         model = torch.compile(model, mode="reduce-overhead")
+    if a.case == "compile" and not fault:
+        model = torch.compile(model)
+    if a.case == "lncompile" and not fault:
+        for b in model.blocks:
+            b.ln1, b.ln2 = torch.compile(b.ln1), torch.compile(b.ln2)
+        model.ln = torch.compile(model.ln)
+    features = None
+    if a.case == "h2d":  # made once on the host; copied every step (pageable: staged and blocking)
+        features = torch.randn(batch, seq, 512) * 0.01
+        if not fault and not a.cpu:
+            features = features.pin_memory()
     n_seq = 2 * seq if (a.case == "ddp_uneven" and fault and rank == 0) else seq
     x = torch.randint(0, 8192, (batch, n_seq), device=dev)
     heap = [[i] for i in range(LIVE_OBJECTS)] if a.case == "gc" else None
@@ -127,12 +238,19 @@ def main() -> None:
             assert len(data) == FILE_BYTES
         if a.case == "stall" and fault and i == STALL_STEP:
             time.sleep(STALL_S)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            logits = model(x)
+        feats = features.to(dev, non_blocking=not fault) if features is not None else None
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x, feats) if feats is not None else model(x)
             loss = nn.functional.cross_entropy(logits.float().view(-1, 8192), x.view(-1))
         loss.backward()
+        if a.case == "gradnorm":
+            grads = [p.grad for p in model.parameters()]
+            norms = [g.norm().item() for g in grads] if fault else torch.stack([g.norm() for g in grads]).tolist()
+            assert len(norms) == len(grads)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=not (fault and a.case == "zerograd"))
+        if fault and a.case == "emptycache":
+            torch.cuda.empty_cache()
         if fault and a.case == "gc":
             gc.collect()
         if fault and a.case == "ckpt":

@@ -84,9 +84,10 @@ def test_splits_the_last_bucket_and_prices_only_the_critical_path(copies, monkey
     # started together the tail is off the critical path)
     assert 0 <= s["per_step_us"] <= ev["tail_transfer_us_per_step"] - ev["fixed_tail_us_per_step"] + 1
     assert np.isclose(s["fixed_step_us"], s["baseline_step_us"] - s["per_step_us"])
-    # under a 1 % of the step: not reported, and the straggler stays the top cause
+    # under a 1 % of the step: not reported, and the straggler stays the top cause but for the
+    # written-out GELU of transformers' GPT-2 ("gelu_new"), a fault of its own on every rank
     assert s["share"] < 0.01
-    assert rep["causes"][0]["code"] == "STRAGGLER"
+    assert [c["code"] for c in rep["causes"] if c["code"] != "UNFUSED_POINTWISE"][0] == "STRAGGLER"
 
 
 def test_split_schedule_one_bucket_per_step():

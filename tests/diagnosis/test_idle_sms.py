@@ -101,13 +101,15 @@ def test_grid_fill_is_the_raw_grid_over_the_sm_count(facts):
     assert (fill[full] * SMS <= SMS).all() and (fill[half] * SMS <= SMS // 2).all()
 
 
-def test_layer_norm_backward_on_gpt2_is_a_low_cause_priced_at_its_idle_sms(reports):
+def test_layer_norm_backward_on_gpt2_is_a_medium_cause_priced_at_its_idle_sms(reports):
     rep = reports("healthy_gpt2")
     found = [c for c in rep["causes"] if c["code"] == "SM_ARRAY_IDLE"]
     assert len(found) == 1
     c = found[0]
     assert c["place"] == {**c["place"], "kind": "op", "name": "aten::native_layer_norm_backward"}
-    assert c["severity"] == "low"  # a healthy job stays quiet
+    # a real cause: its remedy (the LayerNorms compiled) saved 6.1 % of v3_job.py's eager step, 6.2 %
+    # predicted there (tests/data/v3b); 3.7 % here, the GPT-2 job's other work being longer
+    assert c["severity"] == "medium" and 0.03 <= c["saving"]["share"] < 0.05
     raw = _raw("healthy_gpt2")
     steps, _ = _in_steps(raw)
     ks = [e for e in _kernels_of_ops(raw, "aten::native_layer_norm_backward") if _blocks(e) <= SMS // 2]
@@ -155,7 +157,7 @@ def test_a_python_loop_of_small_reductions_is_one_place_with_the_batching_remedy
     # in the full diagnosis the loop is HOST_SYNC's (its region): one cause for those kernels
     rep = reports("item_per_param")
     assert not [x for x in rep["causes"] if x["code"] == "SM_ARRAY_IDLE" and x["place"]["kind"] == "python"]
-    assert rep["causes"][0]["code"] == "HOST_SYNC"
+    assert [x["code"] for x in rep["causes"][:2]] == ["LAUNCH_BOUND", "HOST_SYNC"]  # validate.py's failing row
 
 
 def test_families_the_counters_decide_are_left_to_them(facts):

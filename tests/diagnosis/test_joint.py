@@ -25,7 +25,9 @@ V3_QUIET = {"ddp_uneven_fix", "fsdp_healthy", "launch_fix"}
 PAIRS = json.loads((DATA / "diagnosis" / "pairs.json").read_text())["pairs"]
 # GPU-bound beyond the unprofiled step: the recorded GPU work alone is longer than the step the
 # agent measured, so the calibration cannot fit the replay to it (docs/findings.md, "Pricing")
-UNFITTED = ["pageable_copy", "fp32_matmul", "slow_transport2"]
+# pageable_copy and fp32_matmul fitted once the target was raised to the kernels' own time (their
+# GPU work exceeded the step the host timed: engine.compute_floor_ns)
+UNFITTED = ["slow_transport2"]
 
 
 def pair_capture(tmp: Path, name: str) -> Path:
@@ -66,10 +68,12 @@ def test_a_ranks_savings_add_up_to_fixing_them_together(stall_rank):
     assert first.saving["marginal_to"] == [] and first.saving["per_step_us"] == first.saving["alone_us"]
     # the syncs' waits overlap the stalled step: 5.4 % alone, 0.2 % once the stall is fixed
     sync = causes["HOST_SYNC"]
-    assert sync.saving["marginal_to"] == ["DATALOADER_STARVED"]
+    assert sync.saving["marginal_to"][0] == "DATALOADER_STARVED"
     assert sync.saving["alone_share"] > 0.05 and sync.saving["share"] < 0.01
-    # and alone they claim more than the job has to lose together
-    assert sum(c.saving["alone_us"] for c in priced) * 1e3 > together
+    # and a fix can be worth more once another is made: the pageable copy hides behind the stall and
+    # the unfused kernels (alone next to nothing) but not once they are fixed
+    copy = causes["PAGEABLE_COPY"]
+    assert copy.saving["per_step_us"] > 10 * copy.saving["alone_us"]
 
 
 def test_generic_cause_is_priced_after_the_specific_ones(stall_rank):

@@ -58,7 +58,9 @@ def stall(tmp_path_factory):
             "none": build_report(open_capture(str(without_python(STALL, d / "no_stacks.json.gz"))))}
 
 
-@pytest.mark.parametrize("name", ["healthy_gpt2", "healthy_compiled"])
+# healthy_gpt2 has one real medium cause (ATen's LayerNorm backward: test_idle_sms.py); the
+# v3b jobs compiled are the GPU-bound healthy ones
+@pytest.mark.parametrize("name", ["healthy_compiled"])
 def test_healthy_job_says_so_in_one_line(tmp_path, name):
     rep = pair_report(tmp_path, name)
     assert rep["verdict"]["healthy"] and rep["verdict"]["line"].startswith("Nothing to fix")

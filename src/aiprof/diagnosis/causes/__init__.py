@@ -17,6 +17,7 @@ from aiprof.diagnosis.causes import (
     comm_overlap,
     dataloader,
     decode_launch_bound,
+    eager_attention,
     grad_accum,
     host_preprocessing,
     host_sampling,
@@ -37,6 +38,7 @@ from aiprof.diagnosis.causes import (
     syscall_blocked,
     unexplained,
     unfused_optimizer,
+    unfused_pointwise,
     zeroed_grads,
 )
 from aiprof.diagnosis.detector import Detector, Scope
@@ -68,6 +70,9 @@ REGISTRY: tuple[Detector, ...] = (
     prefill_stall.DETECTOR,
     small_batch.DETECTOR,
     matmul_precision.DETECTOR,
+    # the attention's kernels first: the elementwise chains leave them out (its fix removes them)
+    eager_attention.DETECTOR,
+    unfused_pointwise.DETECTOR,
     idle_sms.DETECTOR,
     decode_launch_bound.DETECTOR,
     launch_bound.DETECTOR,
