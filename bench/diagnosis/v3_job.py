@@ -36,6 +36,8 @@ F.scaled_dot_product_attention) at 48 sequences unless --batch says otherwise (G
   gradnorm      every gradient's norm read with .item() each step (a sync per parameter) ->
                 the norms stacked on the GPU and read once
   emptycache    torch.cuda.empty_cache() every step -> none
+  channels      a ResNet-style convolutional net (bf16 autocast, 256 images of 3 x 224 x 224, 1000
+                classes) in the default NCHW layout -> model and images channels_last (NHWC)
   lncompile     the eager model -> its LayerNorms alone compiled (torch.compile per LayerNorm module):
                 what a generated LayerNorm backward saves over ATen's (SM_ARRAY_IDLE's remedy for its
                 gamma/beta kernel of 16 blocks)
@@ -66,6 +68,8 @@ DROPOUT = 0.1  # attention-probability dropout, in both variants of the attentio
 NANO_CASES = ("pointwise", "attention", "gate", "tf32", "anomaly", "zerograd", "compile", "h2d", "gradnorm",
               "emptycache", "lncompile")
 NANO_BATCH = 48
+#: images per step of the channels case: at 64 its step is host-bound on an H100 (launches), at 256 GPU-bound
+CHANNELS_BATCH = 256
 
 
 class Block(nn.Module):
@@ -137,6 +141,41 @@ class NanoBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class ConvBlock(nn.Module):
+    """A ResNet basic block: two 3x3 convolutions with batch norm and a shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.b1 = nn.BatchNorm2d(cout)
+        self.c2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.b2 = nn.BatchNorm2d(cout)
+        self.short = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                      if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.b1(self.c1(x)))
+        return F.relu(self.b2(self.c2(y)) + self.short(x))
+
+
+class ResNet(nn.Module):
+    """A ResNet-18-shaped image classifier (the channels case)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        widths, layers, cin = (64, 128, 256, 512), [], 64
+        for i, w in enumerate(widths):
+            layers += [ConvBlock(cin, w, 1 if i == 0 else 2), ConvBlock(w, w, 1)]
+            cin = w
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
 class GPT(nn.Module):
     def __init__(self, vocab: int = 8192, d: int = 512, layers: int = 6, heads: int = 8, seq: int = 1024,
                  block=None, written_norm: bool = False) -> None:
@@ -189,7 +228,12 @@ def main() -> None:
             return NanoBlock(d, heads, 2 * seq, eager_attention=fault and a.case == "attention",
                              written=fault and a.case == "pointwise",
                              gate=("written" if fault else "fused") if a.case == "gate" else "")
-    model = GPT(seq=2 * seq, block=block, written_norm=fault and a.case == "pointwise").to(dev)
+    if a.case == "channels":
+        model = ResNet().to(dev)
+        if not fault:
+            model = model.to(memory_format=torch.channels_last)
+    else:
+        model = GPT(seq=2 * seq, block=block, written_norm=fault and a.case == "pointwise").to(dev)
     autocast = not (a.case == "tf32")  # the tf32 case runs in fp32: TF32 is its only difference
     if a.case == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = not fault
@@ -222,6 +266,11 @@ def main() -> None:
             features = features.pin_memory()
     n_seq = 2 * seq if (a.case == "ddp_uneven" and fault and rank == 0) else seq
     x = torch.randint(0, 8192, (batch, n_seq), device=dev)
+    if a.case == "channels":  # images and their labels, made once on the GPU
+        images = torch.randn(a.batch or CHANNELS_BATCH, 3, 224, 224, device=dev)
+        if not fault:
+            images = images.contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(0, 1000, (images.shape[0],), device=dev)
     heap = [[i] for i in range(LIVE_OBJECTS)] if a.case == "gc" else None
     path = f"/tmp/v3_{a.case}_{os.getpid()}.bin"
     if a.case == "fileread":
@@ -240,8 +289,11 @@ def main() -> None:
             time.sleep(STALL_S)
         feats = features.to(dev, non_blocking=not fault) if features is not None else None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = model(x, feats) if feats is not None else model(x)
-            loss = nn.functional.cross_entropy(logits.float().view(-1, 8192), x.view(-1))
+            if a.case == "channels":
+                loss = nn.functional.cross_entropy(model(images).float(), labels)
+            else:
+                logits = model(x, feats) if feats is not None else model(x)
+                loss = nn.functional.cross_entropy(logits.float().view(-1, 8192), x.view(-1))
         loss.backward()
         if a.case == "gradnorm":
             grads = [p.grad for p in model.parameters()]

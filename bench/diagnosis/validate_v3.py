@@ -50,6 +50,11 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     "v3b/anomaly_fault": ("fault", "ANOMALY_MODE", 1 - 21.30 / 82.24, ()),
     "v3b/emptycache_fault": ("fault", "ALLOCATOR_CHURN", 1 - 21.24 / 47.95, ()),
     "v3b/h2d_fault": ("fault", "PAGEABLE_COPY", 1 - 22.30 / 29.64, ()),
+    # a ResNet-18-shaped net, 256 images, bf16: NCHW -> channels_last (4 rounds)
+    "v3b/channels_fault": ("fault", "CONV_LAYOUT_CONVERSION", 1 - 21.90 / 47.02, ()),
+    "v3b/channels_fix": ("healthy", "", None, ()),
+    # the attention pair's fault captured without Python stacks (--what kernels,shapes)
+    "v3b/attention_fault_nostack": ("fault", "EAGER_ATTENTION", 1 - 21.18 / 47.23, ()),
     # the eager job, its LayerNorms compiled: ATen's gamma/beta backward kernel runs 16 blocks on 132 SMs
     "v3b/lncompile_fault": ("fault", "SM_ARRAY_IDLE", 1 - 19.95 / 21.24, ()),
     # a written-out GELU over one 512-element gate per block: 1.2 % in one run (22.88 vs 22.60 ms),

@@ -11,11 +11,14 @@ from clisupport import DATA, aiprof
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    """fp32_matmul: a high cause (MATMUL_OFF_TENSOR_CORES); healthy: medium causes at most."""
+    """fp32_matmul: a high cause (MATMUL_OFF_TENSOR_CORES); healthy: the same GPT-2 job without it
+    (its step 5 % shorter); medium: the v3b nanoGPT job (fused GELU and attention), medium causes at
+    most (SM_ARRAY_IDLE on ATen's LayerNorm backward; the scenario GPT-2 writes its GELU out: high)."""
     d = tmp_path_factory.mktemp("gates")
     for name in ("fp32_matmul", "healthy"):
         shutil.copy(DATA / "scenarios" / f"{name}.json.gz", d / f"{name}.json.gz")
-    return {name: str(d / f"{name}.json.gz") for name in ("fp32_matmul", "healthy")}
+    shutil.copytree(DATA / "v3b" / "pointwise_fix", d / "medium")
+    return {"fp32_matmul": str(d / "fp32_matmul.json.gz"), "healthy": str(d / "healthy.json.gz"), "medium": str(d / "medium")}
 
 
 def test_fail_on_high_trips_after_writing_outputs(traces, tmp_path):
@@ -31,13 +34,13 @@ def test_fail_on_high_trips_after_writing_outputs(traces, tmp_path):
 
 
 def test_fail_on_levels(traces):
-    rep = json.loads(aiprof("analyze", traces["healthy"], "--json").stdout)
+    rep = json.loads(aiprof("analyze", traces["medium"], "--json").stdout)
     sev = {c["severity"] for c in rep["causes"]}
     assert "high" not in sev and "medium" in sev  # the fixture's premise
-    assert aiprof("analyze", traces["healthy"], "--fail-on", "high").returncode == 0
-    res = aiprof("analyze", traces["healthy"], "--fail-on", "medium")
+    assert aiprof("analyze", traces["medium"], "--fail-on", "high").returncode == 0
+    res = aiprof("analyze", traces["medium"], "--fail-on", "medium")
     assert res.returncode == 3 and "--fail-on medium" in res.stderr
-    bad = aiprof("analyze", traces["healthy"], "--fail-on", "low")
+    bad = aiprof("analyze", traces["medium"], "--fail-on", "low")
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
 
 

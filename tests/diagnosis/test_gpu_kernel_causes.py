@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from aiprof.diagnosis import engine
-from aiprof.diagnosis.causes import eager_attention, unfused_pointwise
+from aiprof.diagnosis.causes import conv_layout, eager_attention, unfused_pointwise
 from aiprof.diagnosis.kernel_ops import kernel_ops, largest_input
 from aiprof.pipeline import analyse_rank, build_report
 from aiprof.trace.store import open_capture
@@ -120,3 +120,28 @@ def test_largest_input_reads_recorded_shapes():
                                                                                              2 * 48 * 512 * 2048)
     assert largest_input("", "") == (0, 0)
     assert largest_input("[[3, 4]]", '["unknown"]') == (12, 0)
+
+
+def test_channels_first_convolutions_are_their_layout_conversions(facts):
+    """The channels pair (a ResNet-18-shaped net, bf16): cuDNN transposes NCHW operands to NHWC and
+    back around every convolution; in channels_last there is nothing to convert."""
+    f = facts("channels_fault")
+    conv = conv_layout.conversions(f)
+    assert conv.sum() >= 20 * STEPS  # 20 convolutions, forward and backward
+    (c,) = conv_layout.detect(f)
+    assert "channels_last" in c.remedy and c.evidence["conversions_per_step"] >= 20
+    # with them, ATen's NCHW batch-norm kernels (64 blocks for 64 channels), left to this cause
+    assert c.evidence["nchw_batch_norm_kernels_per_step"] >= 40 and c.region.any()
+    # channels_last: only the 3-channel stem is still converted (2 of its ~60 convolution calls a step)
+    assert conv_layout.conversions(facts("channels_fix")).sum() <= 2 * STEPS
+    assert conv_layout.detect(facts("channels_fix")) == []
+    assert conv_layout.detect(facts("pointwise_fix")) == []
+
+
+def test_eager_attention_without_python_stacks(facts):
+    """The same fault captured with --what kernels,shapes: the ops' caller is their thread."""
+    f = facts("attention_fault_nostack")
+    found = eager_attention.regions(f)
+    assert len(found) == LAYERS * STEPS and all(r["shape"] == SCORES for r in found)
+    (c,) = eager_attention.detect(f)
+    assert c.place.site == "" and c.evidence["attentions_per_step"] == LAYERS

@@ -15,6 +15,7 @@ from aiprof.diagnosis.causes import (
     allocator_churn,
     anomaly_mode,
     comm_overlap,
+    conv_layout,
     dataloader,
     decode_launch_bound,
     eager_attention,
@@ -73,6 +74,7 @@ REGISTRY: tuple[Detector, ...] = (
     # the attention's kernels first: the elementwise chains leave them out (its fix removes them)
     eager_attention.DETECTOR,
     unfused_pointwise.DETECTOR,
+    conv_layout.DETECTOR,
     idle_sms.DETECTOR,
     decode_launch_bound.DETECTOR,
     launch_bound.DETECTOR,

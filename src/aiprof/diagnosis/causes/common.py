@@ -107,6 +107,14 @@ def removal_edit(f: RankFacts, roots: np.ndarray, code: str, acts: np.ndarray | 
     return e, acts
 
 
+def drop_kernels(e, g, ops: np.ndarray) -> None:
+    """In edit ``e`` of graph ``g``: the GPU ops ``ops`` (indices or a mask) no longer run, and
+    their launch calls' host cost is gone with them (a fused kernel, a removed conversion)."""
+    e.drop_op[ops] = True
+    acts = g.o_action[ops]
+    e.cost_remove[acts] = g.cost[acts]
+
+
 def offload_edit(f: RankFacts, nodes: np.ndarray, code: str, workers: int = 1):
     """The fix "run this host work elsewhere, ahead of the GPU": its host time leaves the
     training thread's lane, but the step cannot get shorter than that work divided among

@@ -29,7 +29,7 @@ from aiprof.analysis.flops import ATTENTION_BACKWARD_FACTOR
 from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON
 from aiprof.analysis.rankdiff import parse_dims
 from aiprof.analysis.roofline import roofline
-from aiprof.diagnosis.causes.common import ms, site_and_stack
+from aiprof.diagnosis.causes.common import drop_kernels, ms, site_and_stack
 from aiprof.diagnosis.kernel_ops import backward_node_seq, kernel_ops
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
@@ -187,9 +187,7 @@ def detect(f: RankFacts) -> list[Cause]:
             fused_ns += new
             kernels += len(ops)
             e.op_dur[ops[0]] = new
-            rest = ops[1:]
-            e.drop_op[rest] = True
-            e.cost_remove[g.o_action[rest]] = g.cost[g.o_action[rest]]
+            drop_kernels(e, g, ops[1:])
     if eager_ns <= fused_ns:
         return []
     per = f.n_steps

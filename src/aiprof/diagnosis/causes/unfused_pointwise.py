@@ -26,7 +26,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP
 from aiprof.diagnosis.causes import eager_attention
-from aiprof.diagnosis.causes.common import ms, owned_actions, site_and_stack
+from aiprof.diagnosis.causes.common import drop_kernels, ms, owned_actions, site_and_stack
 from aiprof.diagnosis.kernel_ops import backward_node_seq, forward_of, kernel_ops
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
@@ -112,9 +112,7 @@ def detect(f: RankFacts) -> list[Cause]:
     for run in found:
         full = ko.numel[run] >= FULL_SHARE * ko.numel[run].max()
         keep = int(run[full][np.argmax(g.o_dur[run[full]])])
-        drop = run[run != keep]
-        e.drop_op[drop] = True
-        e.cost_remove[g.o_action[drop]] = g.cost[g.o_action[drop]]
+        drop_kernels(e, g, run[run != keep])
         ns = float(g.o_dur[run].sum())
         chain_ns += ns
         kept_ns += float(g.o_dur[keep])
