@@ -10,6 +10,7 @@ import numpy as np
 
 from aiprof import npx
 from aiprof.analysis.hotspots import OP
+from aiprof.analysis.kernels import kernel_family
 from aiprof.analysis.rankdiff import parse_dims
 from aiprof.analysis.roofline import DTYPE_BYTES
 from aiprof.diagnosis.facts import RankFacts
@@ -46,8 +47,6 @@ def kernel_ops(f: RankFacts) -> KernelOps:
     got = f.extra.get("_kernel_ops")
     if got is not None:
         return got
-    from aiprof.analysis.kernels import kernel_family
-
     g, t, o = f.graph, f.tree, f.rt.ops
     n = g.n_ops
     node = np.full(n, -1, np.int64)

@@ -46,8 +46,8 @@ FULL_SHARE = 0.5
 #: below this a pass is not traffic-bound: 8 MiB take ~3 µs at an H100's 3.35 TB/s, the order of a
 #: kernel's fixed cost; fusing such kernels saves launches, which LAUNCH_BOUND prices
 MIN_PASS_BYTES = 8 << 20
-#: ops named in the remedy when the chain holds them: a written-out GELU (tanh and a cube) and a
-#: written-out normalisation (a mean and a square root)
+#: ops named in the remedy when the chain holds them: a written-out GELU (tanh and a cube, both) and
+#: a written-out normalisation (a mean and a square root or variance)
 _GELU_OPS = ("aten::tanh", "aten::pow")
 _NORM_OPS = ("aten::mean", "aten::sqrt", "aten::rsqrt", "aten::var")
 
@@ -128,9 +128,9 @@ def detect(f: RankFacts) -> list[Cause]:
     site, stack = site_and_stack(f, top_site)
     ops = [op for op, _ in sorted(op_ns.items(), key=lambda kv: -kv[1])]
     fused = []
-    if any(op in ops for op in _GELU_OPS):
+    if all(op in ops for op in _GELU_OPS):  # both: a pow alone may be a variance
         fused.append("F.gelu(x, approximate='tanh') for a GELU written out in tanh and pow")
-    if any(op in ops for op in _NORM_OPS):
+    if "aten::mean" in ops and any(op in ops for op in _NORM_OPS[1:]):
         fused.append("F.layer_norm / F.rms_norm for a normalisation written out in mean and sqrt")
     where = f"; the largest at {site}" if site else ""
     return [Cause(
