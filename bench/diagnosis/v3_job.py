@@ -41,6 +41,17 @@ F.scaled_dot_product_attention) at 48 sequences unless --batch says otherwise (G
   lncompile     the eager model -> its LayerNorms alone compiled (torch.compile per LayerNorm module):
                 what a generated LayerNorm backward saves over ATen's (SM_ARRAY_IDLE's remedy for its
                 gamma/beta kernel of 16 blocks)
+  vocab         GPT-2's vocabulary of 50257 tokens (the LM head's matmuls have an odd dimension: no
+                16-byte aligned tensor-core kernel) -> padded to 50304, a multiple of 64 (nanoGPT's fix)
+  cudnnbench    a negative control, most likely: the channels_last ResNet with cuDNN's heuristics
+                (torch.backends.cudnn.benchmark = False, the default) -> benchmark = True, shapes fixed
+  hfattn        transformers' GPT-2 (6 layers of 512, vocabulary 8192, GELU tanh) with
+                attn_implementation="eager" -> "sdpa": a model file aiprof was not written against
+
+Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch sequences per rank:
+  fsdp_reshard  FSDP2 fully_shard per block with reshard_after_forward=True (the default: every block's
+                parameters all-gathered again in backward) -> reshard_after_forward=False per block
+  ddp_unused    DDP(find_unused_parameters=True) on a model that uses every parameter -> False (default)
 
 --times writes {"ms_per_step": ..., "steps": N, "window": [first, last)}: the wall time of the
 steps [warm, warm + steps) between two device syncs (rank 0 for distributed cases).
@@ -58,6 +69,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+VOCAB = 8192
 WARM = 10  # steps before the timed window; `aiprof run --skip 10` captures from the same step
 STALL_STEP = WARM + 1  # inside both the timed window and a 3-iteration capture after --skip WARM
 STALL_S = 0.080
@@ -66,8 +78,10 @@ LIVE_OBJECTS = 3_000_000
 DROPOUT = 0.1  # attention-probability dropout, in both variants of the attention case
 #: the cases on the nanoGPT-style model (NanoBlock), and their default sequences per step
 NANO_CASES = ("pointwise", "attention", "gate", "tf32", "anomaly", "zerograd", "compile", "h2d", "gradnorm",
-              "emptycache", "lncompile")
+              "emptycache", "lncompile", "vocab", "hfattn")
 NANO_BATCH = 48
+#: GPT-2's vocabulary, and nanoGPT's padding of it to a multiple of 64 (the vocab case)
+GPT2_VOCAB, PADDED_VOCAB = 50257, 50304
 #: images per step of the channels case: at 64 its step is host-bound on an H100 (launches), at 256 GPU-bound
 CHANNELS_BATCH = 256
 
@@ -177,7 +191,7 @@ class ResNet(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 8192, d: int = 512, layers: int = 6, heads: int = 8, seq: int = 1024,
+    def __init__(self, vocab: int = VOCAB, d: int = 512, layers: int = 6, heads: int = 8, seq: int = 1024,
                  block=None, written_norm: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
@@ -193,6 +207,17 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln(x))
+
+
+class Logits(nn.Module):
+    """A transformers causal LM called as the GPT above: token ids in, logits out."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=idx).logits
 
 
 def main() -> None:
@@ -228,26 +253,35 @@ def main() -> None:
             return NanoBlock(d, heads, 2 * seq, eager_attention=fault and a.case == "attention",
                              written=fault and a.case == "pointwise",
                              gate=("written" if fault else "fused") if a.case == "gate" else "")
-    if a.case == "channels":
+    vocab = (GPT2_VOCAB if fault else PADDED_VOCAB) if a.case == "vocab" else VOCAB
+    if a.case in ("channels", "cudnnbench"):
         model = ResNet().to(dev)
-        if not fault:
+        if not fault or a.case == "cudnnbench":
             model = model.to(memory_format=torch.channels_last)
+        if a.case == "cudnnbench":
+            torch.backends.cudnn.benchmark = not fault
+    elif a.case == "hfattn":
+        from transformers import AutoModelForCausalLM, GPT2Config
+
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * seq, n_embd=512, n_layer=6, n_head=8,
+                         activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)
+        model = Logits(AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if fault else "sdpa")).to(dev)
     else:
-        model = GPT(seq=2 * seq, block=block, written_norm=fault and a.case == "pointwise").to(dev)
+        model = GPT(vocab=vocab, seq=2 * seq, block=block, written_norm=fault and a.case == "pointwise").to(dev)
     autocast = not (a.case == "tf32")  # the tf32 case runs in fp32: TF32 is its only difference
     if a.case == "tf32":
         torch.backends.cuda.matmul.allow_tf32 = not fault
     if a.case == "anomaly" and fault:
         torch.autograd.set_detect_anomaly(True)
-    if a.case == "ddp_uneven" or a.case == "ddp_healthy":
+    if a.case in ("ddp_uneven", "ddp_healthy", "ddp_unused"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(model, device_ids=[local])
-    elif a.case == "fsdp_healthy":
+        model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
+    elif a.case in ("fsdp_healthy", "fsdp_reshard"):
         from torch.distributed.fsdp import fully_shard
 
-        for b in model.blocks:
-            fully_shard(b)
+        for b in model.blocks:  # the fix keeps each block's gathered parameters from forward to backward
+            fully_shard(b, reshard_after_forward=not (a.case == "fsdp_reshard" and not fault))
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     graphs = a.case == "launch" and not fault
@@ -266,9 +300,9 @@ def main() -> None:
             features = features.pin_memory()
     n_seq = 2 * seq if (a.case == "ddp_uneven" and fault and rank == 0) else seq
     x = torch.randint(0, 8192, (batch, n_seq), device=dev)
-    if a.case == "channels":  # images and their labels, made once on the GPU
+    if a.case in ("channels", "cudnnbench"):  # images and their labels, made once on the GPU
         images = torch.randn(a.batch or CHANNELS_BATCH, 3, 224, 224, device=dev)
-        if not fault:
+        if not fault or a.case == "cudnnbench":
             images = images.contiguous(memory_format=torch.channels_last)
         labels = torch.randint(0, 1000, (images.shape[0],), device=dev)
     heap = [[i] for i in range(LIVE_OBJECTS)] if a.case == "gc" else None
@@ -289,11 +323,11 @@ def main() -> None:
             time.sleep(STALL_S)
         feats = features.to(dev, non_blocking=not fault) if features is not None else None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            if a.case == "channels":
+            if a.case in ("channels", "cudnnbench"):
                 loss = nn.functional.cross_entropy(model(images).float(), labels)
             else:
                 logits = model(x, feats) if feats is not None else model(x)
-                loss = nn.functional.cross_entropy(logits.float().view(-1, 8192), x.view(-1))
+                loss = nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.view(-1))
         loss.backward()
         if a.case == "gradnorm":
             grads = [p.grad for p in model.parameters()]

@@ -70,6 +70,19 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     "v3b/lncompile_fix": ("healthy", "", None, ()),
     # the whole model compiled (default mode): 21.25 -> 15.83 ms against the eager job
     "v3b/compile_fix": ("healthy", "", None, ()),
+    # session 11's pairs (README.txt there): GPT-2's vocabulary of 50257 -> padded to 50304
+    "v3b/vocab_fault": ("fault", "MISALIGNED_MATMUL", 1 - 44.67 / 70.72, ()),
+    "v3b/vocab_fix": ("fix", "", None, ("MISALIGNED_MATMUL",)),
+    # transformers' GPT-2, attn_implementation "eager" -> "sdpa": a model file not written for aiprof
+    "v3b/hfattn_fault": ("fault", "EAGER_ATTENTION", 1 - 24.03 / 43.75, ()),
+    "v3b/hfattn_fix": ("fix", "", None, ("EAGER_ATTENTION",)),
+    # cudnn.benchmark False -> True on the channels_last ResNet, fixed shapes: 21.86 vs 21.62 ms (1.1 %)
+    "v3b/cudnnbench_fault": ("healthy", "", None, ()),
+    # 4-rank FSDP2, reshard_after_forward True -> False per block, at 48 sequences per rank (host-bound)
+    "v3b/fsdp_reshard_fault": ("fault", "FSDP_REGATHER", 1 - 54.92 / 59.26, ()),
+    "v3b/fsdp_reshard_fix": ("fix", "", None, ("FSDP_REGATHER",)),
+    # the same at 192 sequences (GPU-bound): 83.47 vs 82.78 ms (0.8 %), the re-gathers hidden
+    "v3b/fsdp_reshard_fault_b192": ("healthy", "", None, ()),
 }
 
 

@@ -19,6 +19,7 @@ from aiprof.diagnosis.causes import (
     dataloader,
     decode_launch_bound,
     eager_attention,
+    fsdp_regather,
     grad_accum,
     host_preprocessing,
     host_sampling,
@@ -28,6 +29,7 @@ from aiprof.diagnosis.causes import (
     idle_sms,
     kv_cache_copy,
     launch_bound,
+    matmul_alignment,
     matmul_precision,
     new_shapes,
     pageable_copy,
@@ -71,6 +73,7 @@ REGISTRY: tuple[Detector, ...] = (
     prefill_stall.DETECTOR,
     small_batch.DETECTOR,
     matmul_precision.DETECTOR,
+    matmul_alignment.DETECTOR,
     # the attention's kernels first: the elementwise chains leave them out (its fix removes them)
     eager_attention.DETECTOR,
     unfused_pointwise.DETECTOR,
@@ -79,6 +82,7 @@ REGISTRY: tuple[Detector, ...] = (
     decode_launch_bound.DETECTOR,
     launch_bound.DETECTOR,
     slow_interconnect.ON_ONE_RANK,
+    fsdp_regather.DETECTOR,
     grad_accum.DETECTOR,
     slow_interconnect.DETECTOR,
     # EXPOSED_BUCKET_COMM failed its validation pair: on two NVLink H200s, one 384 MB bucket vs

@@ -6,7 +6,9 @@ before the next is queued and idles between them. CUDA graphs (torch.cuda.graphs
 torch.compile(mode="reduce-overhead")) record the launches once and replay them with one call.
 
 Evidence: GPU-idle time while the host dispatches ops and launches kernels, outside the regions
-more specific causes own (a for-loop optimizer, host syncs, data loading, pure-Python work).
+more specific causes own (a for-loop optimizer, host syncs, data loading, pure-Python work)
+and outside the distributed wrappers' own hooks and collectives (FSDP's unshard and reshard,
+DDP's reducer): a CUDA graph of the model does not replay those, they stay on the host.
 Fix priced: the host time of op dispatch, module Python and launches in the remaining region
 removed, its kernels launched from a graph (spaced by the measured graph gap).
 """
@@ -33,6 +35,15 @@ GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
 OUTSIDE_OPS_NAMED = 4
 # Frames that a graph capture replaces: torch's module machinery and the model's forward code.
 _GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_tensor.py", "torch/functional.py")
+# The distributed wrappers' hooks and collectives, which run around and inside those frames but
+# are not part of what a graph of the model replays: Python frames of torch.distributed, and (as
+# without Python stacks) FSDP's and c10d's annotations and ops.
+_DISTRIBUTED_FRAMES = ("torch/distributed/",)
+_DISTRIBUTED_EVENTS = ("FSDP::", "fsdp::", "c10d::", "nccl:", "record_param_comms")
+
+
+def _distributed(s: str) -> bool:
+    return s.startswith(_DISTRIBUTED_EVENTS) or any(p in s for p in _DISTRIBUTED_FRAMES)
 
 
 def graph_fix(f: RankFacts, code: str, claimed: np.ndarray, within: np.ndarray | None = None,
@@ -43,6 +54,7 @@ def graph_fix(f: RankFacts, code: str, claimed: np.ndarray, within: np.ndarray |
     mask, region nodes, claims), or None when the region launches nothing or idles no GPU."""
     g = f.graph
     ops = f.tree.kind == OP if len(f.tree) else np.zeros(0, dtype=bool)
+    claimed = claimed | f.under(f.node_mask(_distributed))
     graphable = (ops | f.node_mask(lambda s: s.startswith(_GRAPHABLE_FRAMES), (PYTHON,))) & ~claimed
     if within is not None:
         graphable &= within

@@ -1,0 +1,198 @@
+"""FSDP_REGATHER: FSDP all-gathers each module's parameters a second time, in backward.
+
+Mechanism: ``fully_shard``'s default ``reshard_after_forward=True`` frees a module's gathered
+parameters as soon as its forward ends; its backward needs them again, so FSDP all-gathers them
+a second time from its pre-backward hook (FSDP1's ``FULL_SHARD``, ZeRO-3). Each re-gather costs
+the host FSDP's unshard work (the copy into the all-gather buffer, the collective's launch, the
+copy out into the parameters), GPU copies and a collective on the all-gather stream: a step
+bound by its GPU compute hides most of it, a step bound by its host pays for all of it.
+``reshard_after_forward=False`` keeps the parameters from forward to backward (ZeRO-2), at the
+cost of holding every such module's unsharded parameters at once at the end of the forward.
+
+Evidence: FSDP2's own annotations, with or without Python stacks: an ``FSDP::all_gather
+(module)`` or ``FSDP::all_gather_copy_out (module)`` on the host that runs inside a backward
+function of autograd's engine (where FSDP's pre-backward hook runs) for a module whose
+parameters were already gathered earlier in the same step. Fix priced on every rank at once
+(the change is the job's) by the joint replay: the host time inside those annotations removed,
+with the launches, copies and collectives they issue. FSDP's Python outside the annotations
+(its hooks' bookkeeping, the reshard after forward) is left in: the saving is a lower bound.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from aiprof.analysis.comm import DTYPE_BYTES
+from aiprof.analysis.intervals import union
+from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.detector import Detector, JobFacts, Scope
+from aiprof.diagnosis.facts import RankFacts
+from aiprof.diagnosis.graph import COLL_END, COLL_START
+from aiprof.diagnosis.model import GPU_IDLE, Cause, Claim, Place
+
+CODE = "FSDP_REGATHER"
+#: FSDP2's annotations of one module's all-gather and of its copy out (``_fsdp_param_group.py``);
+#: the module's name in brackets, none for the root module
+_GATHER = re.compile(r"^FSDP::all_gather(_copy_out)?(?: \((.*)\))?$")
+#: the autograd engine's op around each backward function (and the hooks that run with it)
+_BACKWARD_OP = "autograd::engine::evaluate_function: "
+_MIB = float(1 << 20)
+
+
+def _intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ts, end, tid, name code) of the rows of ``table`` whose name satisfies ``pred``."""
+    names = table.strings("name")
+    ok = np.array([bool(pred(s)) for s in names.labels] + [False])[names.codes] if len(table) else np.zeros(0, bool)
+    ts = np.asarray(table["ts"])[ok]
+    return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok], names.codes[ok]
+
+
+def _inside(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarray:
+    """Which of the events (``ts``, ``tid``) start inside one of the ``outer`` intervals of
+    their own thread (``outer``: ts, end, tid, as from :func:`_intervals`)."""
+    o_ts, o_end, o_tid = outer[:3]
+    out = np.zeros(len(ts), dtype=bool)
+    for t in np.unique(tid):
+        m, om = tid == t, o_tid == t
+        if not om.any():
+            continue
+        order = np.argsort(o_ts[om], kind="stable")
+        starts, ends = o_ts[om][order], np.maximum.accumulate(o_end[om][order])
+        k = np.searchsorted(starts, ts[m], side="right") - 1
+        out[m] = (k >= 0) & (ends[np.maximum(k, 0)] > ts[m])
+    return out
+
+
+def regathers(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    """The rank's re-gathers: (ts, end, tid) of each FSDP all-gather or copy-out annotation run
+    in backward for a module already gathered earlier in its step, which of them are the
+    all-gathers (not their copy-outs), and the modules' names."""
+    an = f.rt.annotations
+    empty = np.zeros(0, np.int64)
+    if not len(an) or not len(f.steps):
+        return empty, empty, empty, empty.astype(bool), []
+    host = ~np.asarray(an["gpu"], dtype=bool) if "gpu" in an else np.ones(len(an), bool)
+    names = an.strings("name")
+    label_ok = np.array([bool(_GATHER.match(s)) for s in names.labels] + [False])
+    ok = label_ok[names.codes] & host
+    if not ok.any():
+        return empty, empty, empty, empty.astype(bool), []
+    idx = np.nonzero(ok)[0]
+    ts = np.asarray(an["ts"])[idx]
+    end = ts + np.asarray(an["dur"])[idx]
+    tid = np.asarray(an["tid"])[idx]
+    backward = _intervals(f.rt.ops, lambda s: s.startswith(_BACKWARD_OP))
+    in_bw = _inside(ts, tid, backward)
+    step = f.steps.index_of(ts)
+    seen: set = set()
+    again = np.zeros(len(idx), dtype=bool)
+    for k in np.argsort(ts, kind="stable"):
+        key = (int(step[k]), int(names.codes[idx[k]]))
+        if step[k] >= 0 and key in seen and in_bw[k]:
+            again[k] = True
+        seen.add(key)
+    codes = names.codes[idx[again]]
+    modules = sorted({(_GATHER.match(names.labels[c]).group(2) or "root") for c in codes})
+    gather = np.array([_GATHER.match(names.labels[c]).group(1) is None for c in codes], dtype=bool)
+    return ts[again], end[again], tid[again], gather, modules
+
+
+def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray):
+    """The fix on one rank: the host time inside the re-gather annotations removed, with the
+    calls made there (launches, copies) and the GPU ops and collectives they issued."""
+    g = f.graph
+    e = f.edit(CODE)
+    e.gap_remove += f.gap_time_in(union(ts, end))
+    rt = f.rt.runtime
+    acts = np.zeros(g.n_actions, dtype=bool)
+    real = np.nonzero(g.a_row >= 0)[0]
+    if len(real) and len(rt):
+        rows = g.a_row[real]
+        acts[real] = _inside(np.asarray(rt["ts"])[rows], np.asarray(rt["tid"])[rows], (ts, end, tid))
+    e.cost_remove[acts] = g.cost[acts]
+    if g.n_ops:
+        e.drop_op |= acts[g.o_action]
+    if g.a_coll is not None and g.o_coll is not None and g.n_ops:
+        gone = set(np.unique(g.o_coll[e.drop_op & (g.o_coll >= 0)]).tolist())
+        marks = np.isin(g.a_kind, (COLL_START, COLL_END)) & np.isin(g.a_coll, list(gone))
+        e.no_wait |= marks & (g.a_kind == COLL_END)
+        # a host-side marker inside the annotation (the launch's record_param_comms) goes with it
+        inside = _inside(g.a_ts, np.full(g.n_actions, -1), (ts, end, np.full(len(ts), -1)))
+        e.cost_remove[marks & inside] = g.cost[marks & inside]
+    return e, acts
+
+
+def _idle_us_in(f: RankFacts, ts: np.ndarray, end: np.ndarray) -> float:
+    """GPU-idle time (recorded µs) that starts inside the re-gathers: the part of the GPU_IDLE
+    symptom they explain on a host-bound rank."""
+    gp = f.gaps
+    if not len(gp.start) or not len(ts):
+        return 0.0
+    return float(gp.dur[union(ts, end).covered(gp.start, gp.start + 1) > 0].sum()) / 1e3
+
+
+def _gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> float:
+    """Bytes per step the re-gathers produce (the all-gathers' outputs, from the collectives'
+    host records inside them): what the fix keeps in memory from forward to backward."""
+    c = f.rt.collectives
+    if not len(c) or not len(ts):
+        return 0.0
+    kinds = c.strings("coll").values()
+    side = c.strings("side").values()
+    m = (kinds == "AllGather") & (side == "cpu")
+    m &= _inside(np.asarray(c["ts"]), np.asarray(c["tid"]), (ts, end, tid))
+    if not m.any():
+        return 0.0
+    size = np.array([DTYPE_BYTES.get(str(d), 4) for d in c.strings("dtype").values()[m]])
+    return float((np.asarray(c["out_nelems"])[m] * size).sum()) / max(len(f.steps), 1)
+
+
+def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
+    """One cause for the job when every rank re-gathers parameters in backward."""
+    edits, found = {}, {}
+    for f in facts:
+        ts, end, tid, gather, modules = regathers(f)
+        if not len(ts):
+            return []
+        edits[f.rank], _ = _edit(f, ts, end, tid)
+        found[f.rank] = (ts, end, tid, gather, modules)
+    f0 = facts[0]
+    ts, end, tid, gather, modules = found[f0.rank]
+    per = max(len(f0.steps), 1)
+    gathers = round(int(gather.sum()) / per)
+    host_ns = float((end - ts).sum()) / per
+    keep = _gathered_bytes(f0, ts, end, tid)
+    names = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    memory = f" ({keep / _MIB:.0f} MiB per rank more at the end of forward, from this trace's all-gathers)" if keep else ""
+    claims = [Claim(GPU_IDLE, f.rank, _idle_us_in(f, found[f.rank][0], found[f.rank][1])) for f in facts]
+    c = Cause(
+        code=CODE, rank=None,
+        title=(f"FSDP all-gathers {len(modules)} module(s)' parameters again in backward: {gathers} re-gathers "
+               f"per step ({names}), {ms(host_ns)} of host time in them on rank {f0.rank}"),
+        mechanism=("With reshard_after_forward=True (fully_shard's default; FSDP1's FULL_SHARD) each module's gathered "
+                   "parameters are freed when its forward ends and all-gathered again for its backward: a second "
+                   "all-gather per module per step, with its host work, copies and collective."),
+        remedy=("Keep the gathered parameters from forward to backward: fully_shard(module, "
+                "reshard_after_forward=False) for these modules (FSDP1: sharding_strategy=ShardingStrategy."
+                "SHARD_GRAD_OP), if memory allows" + memory + "; or reshard_after_forward=<GPUs per node> to "
+                "re-gather within the node only."),
+        place=Place("collective", f"FSDP all-gather in backward ({names})", "", [], []),
+        evidence={"regathers_per_step": gathers, "modules": modules, "host_us_per_step": host_ns / 1e3,
+                  "bytes_kept_per_step": keep},
+        edit=edits[f0.rank], claims=claims)
+    others = {r: e for r, e in edits.items() if r != f0.rank}
+    pricer.price(f0, c, None, others)
+    return [c]
+
+
+def has_regathers(f: RankFacts) -> bool:
+    """Whether the rank all-gathers in backward what it gathered in forward."""
+    return bool(len(regathers(f)[0]))
+
+
+def detect(job: JobFacts) -> list[Cause]:
+    return detect_job(job.facts, job.pricer)
+
+
+DETECTOR = Detector(CODE, Scope.JOB, reads=("facts", "pricer"), detect=detect, every_rank=has_regathers)
