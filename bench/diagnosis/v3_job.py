@@ -52,6 +52,8 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
   fsdp_reshard  FSDP2 fully_shard per block with reshard_after_forward=True (the default: every block's
                 parameters all-gathered again in backward) -> reshard_after_forward=False per block
   ddp_unused    DDP(find_unused_parameters=True) on a model that uses every parameter -> False (default)
+  dataparallel  nn.DataParallel over every visible GPU in one process (run it on 1 rank: torchrun
+                --nproc-per-node 1), --batch sequences per GPU -> DDP, one process per GPU (4 ranks)
 
 --times writes {"ms_per_step": ..., "steps": N, "window": [first, last)}: the wall time of the
 steps [warm, warm + steps) between two device syncs (rank 0 for distributed cases).
@@ -232,7 +234,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="a smoke test of the script on a machine without a GPU")
     a = ap.parse_args()
     fault = a.variant == "fault"
-    dist_case = a.case.startswith(("ddp", "fsdp"))
+    dist_case = a.case.startswith(("ddp", "fsdp")) or (a.case == "dataparallel" and not fault)
     rank, local = 0, 0
     if dist_case:
         import torch.distributed as dist
@@ -273,7 +275,9 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = not fault
     if a.case == "anomaly" and fault:
         torch.autograd.set_detect_anomaly(True)
-    if a.case in ("ddp_uneven", "ddp_healthy", "ddp_unused"):
+    if a.case == "dataparallel" and fault:
+        model = nn.DataParallel(model)  # one process: the model replicated to every visible GPU each step
+    elif a.case in ("ddp_uneven", "ddp_healthy", "ddp_unused", "dataparallel"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
@@ -299,7 +303,9 @@ def main() -> None:
         if not fault and not a.cpu:
             features = features.pin_memory()
     n_seq = 2 * seq if (a.case == "ddp_uneven" and fault and rank == 0) else seq
-    x = torch.randint(0, 8192, (batch, n_seq), device=dev)
+    # DataParallel splits one batch over the GPUs: as many sequences in all as the DDP ranks have
+    rows = batch * torch.cuda.device_count() if a.case == "dataparallel" and fault and not a.cpu else batch
+    x = torch.randint(0, 8192, (rows, n_seq), device=dev)
     if a.case in ("channels", "cudnnbench"):  # images and their labels, made once on the GPU
         images = torch.randn(a.batch or CHANNELS_BATCH, 3, 224, 224, device=dev)
         if not fault or a.case == "cudnnbench":

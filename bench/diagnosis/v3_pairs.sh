@@ -106,21 +106,23 @@ wait
 fi
 
 if [ "$PHASE" != single ]; then
-say "4-rank jobs"
-TR="torchrun --standalone --nproc-per-node ${NPROC:-4}"
-# MULTI: the jobs timed (alternating, ROUNDS rounds) and captured, CASE:VARIANT each, or
+say "multi-GPU jobs"
+launcher() { echo "torchrun --standalone --nproc-per-node $n"; }
+# MULTI: the jobs timed (alternating, ROUNDS rounds) and captured (MULTI="": none), CASE:VARIANT each, or
 # CASE:VARIANT@B with B sequences per rank for that job alone (its ids get a _bB suffix)
-read -r -a MS <<< "${MULTI:-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
+read -r -a MS <<< "${MULTI-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
 # TIMED: the ones timed (default: all of MULTI); BATCH: sequences per rank (48: GPU-bound)
 read -r -a TS <<< "${TIMED:-${MS[*]}}"
-# spec CASE:VARIANT[@B] -> c, v, b (the batch flags) and id (the capture's and timings' name)
-parse() { c=${1%%:*}; local r=${1#*:}; v=${r%%@*}; id=${c}_$v; b=${BATCH:+--batch $BATCH}
+# spec CASE:VARIANT[@B][^N] -> c, v, b (the batch flags), n (processes: N, default NPROC) and id
+# (the capture's and timings' name); ^1 runs a one-process job (DataParallel) under torchrun
+parse() { local s=$1; n=${NPROC:-4}; if [ "${s#*^}" != "$s" ]; then n=${s##*^}; s=${s%^*}; fi
+  c=${s%%:*}; local r=${s#*:}; v=${r%%@*}; id=${c}_$v; b=${BATCH:+--batch $BATCH}
   if [ "$r" != "$v" ]; then b="--batch ${r#*@}"; id=${id}_b${r#*@}; fi; }
 timings() {
   for r in $(seq 1 "$ROUNDS"); do
     for spec in "${TS[@]}"; do
       parse "$spec"
-      timeout 150 $TR $JOB --case "$c" --variant "$v" --steps 20 $b --times $K/times/$id-$r.json \
+      timeout 150 $(launcher) $JOB --case "$c" --variant "$v" --steps 20 $b --times $K/times/$id-$r.json \
         > $K/times/$id-$r.log 2>&1 || { echo "FAILED timing $id $r"; tail -n 5 $K/times/$id-$r.log; }
       say "$id round $r: $(ms_of $K/times/$id-$r.json) ms/step"
     done
@@ -129,8 +131,8 @@ timings() {
 captures() {
   for spec in "${MS[@]}"; do
     parse "$spec"
-    cap "$id" "${NPROC:-4}" $K/caps/$id.log python3 -m aiprof run --skip 10 --iterations 3 \
-      --what kernels,python,shapes --out $K/caps --capture-id "$id" -- $TR $JOB --case "$c" --variant "$v" --steps 6 $b
+    cap "$id" "$n" $K/caps/$id.log python3 -m aiprof run --skip 10 --iterations 3 \
+      --what kernels,python,shapes --out $K/caps --capture-id "$id" -- $(launcher) $JOB --case "$c" --variant "$v" --steps 6 $b
     (cd $K && pack caps-$id caps/$id caps/$id.log $(ls times/$id-* 2>/dev/null))
     say "captured $id: $(tail -n 1 $K/caps/$id.log)"
   done

@@ -42,6 +42,9 @@ def test_every_block_is_gathered_again_in_backward_and_the_root_is_not(capture):
         assert gather.sum() == BLOCKS * STEPS and (~gather).sum() == BLOCKS * STEPS
         assert modules == [f"blocks.{i}" for i in range(BLOCKS)]  # the root keeps its parameters
         assert (end > ts).all()
+        # with Python stacks, each widened to FSDP's unshard / wait_for_unshard call around it
+        wts, wend = fsdp_regather._widen(f, ts, end, tid)
+        assert (wts <= ts).all() and (wend >= end).all() and ((wend - wts) > (end - ts)).all()
 
 
 def test_with_reshard_after_forward_false_nothing_is_gathered_twice(capture):

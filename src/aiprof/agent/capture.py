@@ -615,6 +615,9 @@ class CaptureDriver:
             self.clock = clock_marker(record_function)
             self.t_start = time.perf_counter()
             self.t_start_unix_ns = self.clock["marker_unix_ns"][0]
+            # read while the job's process group is alive: the meta is written later, off the
+            # training thread, maybe after the job's destroy_process_group()
+            self.info["communication"] = comm_settings()
             self.state = RECORDING
         except Exception as exc:
             self.prof = None
@@ -913,7 +916,7 @@ class CaptureDriver:
             "clock": self.clock,
             "versions": self._versions(),
             # NCCL/torch distributed settings the job ran with (agent/commsettings.py)
-            "communication": comm_settings(),
+            "communication": self.info.get("communication") or comm_settings(),
             "files": {"trace": "trace.json.gz", "hw": "hw.csv" if hw_rows else None,
                       "pm": (getattr(self, "pm_meta", None) or {}).get("file")},
             "trace_json_bytes": trace_bytes,

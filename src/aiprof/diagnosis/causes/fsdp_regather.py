@@ -14,8 +14,9 @@ Evidence: FSDP2's own annotations, with or without Python stacks: an ``FSDP::all
 function of autograd's engine (where FSDP's pre-backward hook runs) for a module whose
 parameters were already gathered earlier in the same step. Fix priced on every rank at once
 (the change is the job's) by the joint replay: the host time inside those annotations removed,
-with the launches, copies and collectives they issue. FSDP's Python outside the annotations
-(its hooks' bookkeeping, the reshard after forward) is left in: the saving is a lower bound.
+with the launches, copies and collectives they issue; with Python stacks, each widened to the
+FSDP ``unshard``/``wait_for_unshard`` call around it. FSDP's other Python (its hooks' bookkeeping,
+the reshard after forward) is left in: the saving is a lower bound.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ _GATHER = re.compile(r"^FSDP::all_gather(_copy_out)?(?: \((.*)\))?$")
 #: the autograd engine's op around each backward function (and the hooks that run with it)
 _BACKWARD_OP = "autograd::engine::evaluate_function: "
 _MIB = float(1 << 20)
+#: with Python stacks: FSDP2's methods around those annotations, whose own Python (the parameters'
+#: views, the streams' events) the re-gather also costs (``_fsdp_param_group.py``)
+_AROUND = re.compile(r"fsdp/_fully_shard/_fsdp_param_group\.py\(\d+\): (unshard|wait_for_unshard)$")
 
 
 def _intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -98,6 +102,23 @@ def regathers(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     return ts[again], end[again], tid[again], gather, modules
 
 
+def _widen(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each re-gather's interval widened to the outermost FSDP ``unshard``/``wait_for_unshard``
+    frame around it on its thread, where Python stacks were recorded (unchanged without)."""
+    t = f.tree
+    m = f.node_mask(lambda s: bool(_AROUND.search(s)))
+    if not m.any() or not len(ts):
+        return ts, end
+    idx = np.nonzero(m)[0]
+    fs, fe, ft = t.start[idx], t.end[idx], t.tid[idx]
+    ts2, end2 = ts.copy(), end.copy()
+    for k in range(len(ts)):
+        hit = (ft == tid[k]) & (fs <= ts[k]) & (fe >= end[k])
+        if hit.any():
+            ts2[k], end2[k] = fs[hit].min(), fe[hit].max()
+    return ts2, end2
+
+
 def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray):
     """The fix on one rank: the host time inside the re-gather annotations removed, with the
     calls made there (launches, copies) and the GPU ops and collectives they issued."""
@@ -155,7 +176,7 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
         ts, end, tid, gather, modules = regathers(f)
         if not len(ts):
             return []
-        edits[f.rank], _ = _edit(f, ts, end, tid)
+        edits[f.rank], _ = _edit(f, *_widen(f, ts, end, tid), tid)
         found[f.rank] = (ts, end, tid, gather, modules)
     f0 = facts[0]
     ts, end, tid, gather, modules = found[f0.rank]
