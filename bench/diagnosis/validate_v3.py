@@ -86,6 +86,8 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     # 4-rank DDP, find_unused_parameters=True -> False on a model that uses every parameter: 25.02 vs
     # 24.71 ms (1.2 %, 5 rounds; a first run's 27.86 ms aside): its extra all-reduce costs ~nothing here
     "v3b/ddp_unused_fault": ("healthy", "", None, ()),
+    # nn.DataParallel over 4 GPUs in one process (4 x 48 sequences) -> DDP, 4 processes of 48
+    "v3b/dataparallel_fault": ("fault", "DATA_PARALLEL", 1 - 24.65 / 216.97, ()),
 }
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aiprof import npx
+
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis.profiler_cost import DEFAULT, MIN_KEPT_SHARE, ProfilerCost
@@ -310,12 +312,19 @@ def build_graph(rt: RankTrace, steps: Steps, profiler: ProfilerCost = DEFAULT,
         act[ok] = act_of_row[lr[ok]]
         sel = np.nonzero(act >= 0)[0]
         if len(sel):
-            o_parts.append((ti, sel, act[sel], g["stream"][sel], g["ts"][sel], g["dur"][sel]))
+            dev = g["device"][sel] if "device" in g else np.zeros(len(sel), np.int64)
+            o_parts.append((ti, sel, act[sel], g["stream"][sel], g["ts"][sel], g["dur"][sel], dev))
     if o_parts:
+        # a stream is a (device, stream id) pair: one process may drive several GPUs (DataParallel),
+        # each with its own default stream 7; one device's keys stay its stream ids
+        devs = np.concatenate([p[6] for p in o_parts]).astype(np.int64)
+        sids = np.concatenate([p[3] for p in o_parts]).astype(np.int64)
+        _, dev_index = npx.unique(devs, return_inverse=True)
+        stride = int(sids.max()) + 1 if len(sids) else 1
         o_table = np.concatenate([np.full(len(p[1]), p[0], np.int8) for p in o_parts])
         o_row = np.concatenate([p[1] for p in o_parts])
         o_action = np.concatenate([p[2] for p in o_parts])
-        o_stream = np.concatenate([p[3] for p in o_parts]).astype(np.int64)
+        o_stream = sids + dev_index.astype(np.int64) * stride
         o_ts = np.concatenate([p[4] for p in o_parts]).astype(np.int64)
         o_dur = np.concatenate([p[5] for p in o_parts]).astype(np.float64)
         order = np.lexsort((o_ts, o_action))

@@ -16,6 +16,7 @@ from aiprof.diagnosis.causes import (
     anomaly_mode,
     comm_overlap,
     conv_layout,
+    data_parallel,
     dataloader,
     decode_launch_bound,
     eager_attention,
@@ -79,6 +80,8 @@ REGISTRY: tuple[Detector, ...] = (
     unfused_pointwise.DETECTOR,
     conv_layout.DETECTOR,
     idle_sms.DETECTOR,
+    # one process driving several GPUs: its host is LAUNCH_BOUND's symptom, one process per GPU the fix
+    data_parallel.DETECTOR,
     decode_launch_bound.DETECTOR,
     launch_bound.DETECTOR,
     slow_interconnect.ON_ONE_RANK,
