@@ -14,6 +14,7 @@ import pytest
 from aiprof.agent.hwmon import write_pm_csv
 from aiprof.agent.pmsampling import PmSamples
 from aiprof.analysis.counters import IDLE_SM_PCT, counter_analysis, load_pm
+from aiprof.diagnosis.causes.matmul_alignment import misaligned
 from aiprof.pipeline import build_report
 from aiprof.export.timeline import build_timeline
 from aiprof.report.text import render
@@ -119,7 +120,10 @@ def test_sm_array_idle_cause_fires_on_an_idle_sm_reading(tmp_path, gpt2_stall):
     names = k.strings("name")
     fam = np.array([kernel_family(x) for x in names.labels])[names.codes]
     tot: dict[str, float] = {}
-    for f_, du in zip(fam, k["dur"]):
+    # the largest family but the LM head's misaligned matmuls (GPT-2's 50257 tokens): fixing those
+    # is MISALIGNED_MATMUL's, priced first, after which their SM reading no longer applies
+    slow = np.array([misaligned(x) for x in names.labels])[names.codes]
+    for f_, du in zip(fam[~slow], k["dur"][~slow]):
         tot[f_] = tot.get(f_, 0.0) + float(du)
     target = max(tot, key=tot.get)
     sel = fam == target

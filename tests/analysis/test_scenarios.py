@@ -60,10 +60,14 @@ def test_fp32_matmuls_off_tensor_cores(tmp_path):
 
 def test_healthy_training_has_no_high_cause_but_its_written_out_gelu(tmp_path):
     # transformers' GPT-2 runs its default "gelu_new", a GELU written out in elementwise ops: a
-    # real fault (46.4 % of a GPT-2 step on an H100, tests/data/diagnosis gelu_new pair), nothing else
+    # real fault (46.4 % of a GPT-2 step on an H100, tests/data/diagnosis gelu_new pair); and its
+    # LM head has GPT-2's 50257 tokens, a dimension cuBLAS runs on its slow path (the v3b vocab pair
+    # measured 36.8 %): nothing else
     high = [x for x in _causes(tmp_path, "healthy") if x["severity"] == "high"]
-    assert [x["code"] for x in high] == ["UNFUSED_POINTWISE"]
-    assert {"aten::tanh_backward", "aten::pow"} <= set(high[0]["evidence"]["ops"])
+    assert sorted(x["code"] for x in high) == ["MISALIGNED_MATMUL", "UNFUSED_POINTWISE"]
+    gelu = next(x for x in high if x["code"] == "UNFUSED_POINTWISE")
+    assert {"aten::tanh_backward", "aten::pow"} <= set(gelu["evidence"]["ops"])
+    assert next(x for x in high if x["code"] == "MISALIGNED_MATMUL")["evidence"]["odd_dims"] == [50257]
 
 
 def test_item_then_host_work(tmp_path):
@@ -87,10 +91,12 @@ def test_cheap_item_calls_in_hooks_are_not_a_cause_alone(tmp_path):
     # once the step's own read is gone they are the step's last syncs, and priced after it
     # (together, docs/findings.md "Pricing") they are what removing the syncs still wins
     (step_read,) = [x for x in c if x["code"] == "HOST_SYNC" and x["place"]["site"].endswith(": step")]
-    (hook,) = [x for x in c if x["code"] == "HOST_SYNC" and "hook" in x["place"]["site"]]
-    assert hook["saving"]["alone_share"] < 0.01 and hook["saving"]["marginal_to"][0] == "HOST_SYNC"
-    # what it adds after the step's read (4.6 % on this trace) is listed, below that read's own saving
-    assert 0.01 < hook["saving"]["share"] < step_read["saving"]["share"]
+    (hook,) = [x for x in c + _report(tmp_path, "item_in_loop")["minor"]
+               if x["code"] == "HOST_SYNC" and "hook" in x["place"]["site"]]
+    assert hook["saving"]["alone_share"] < 0.01 and "HOST_SYNC" in hook["saving"]["marginal_to"]
+    # what it adds once the step's read is gone (and the LM head's misaligned matmuls, which
+    # shorten the GPU work the syncs wait for, priced first) is listed below that read's saving
+    assert 0.0 < hook["saving"]["share"] < step_read["saving"]["share"]
 
 
 @pytest.mark.parametrize("name", ["generate_b1", "slow_getitem", "pageable_copy", "fp32_matmul", "healthy", "item_in_loop",

@@ -85,9 +85,11 @@ def test_splits_the_last_bucket_and_prices_only_the_critical_path(copies, monkey
     assert 0 <= s["per_step_us"] <= ev["tail_transfer_us_per_step"] - ev["fixed_tail_us_per_step"] + 1
     assert np.isclose(s["fixed_step_us"], s["baseline_step_us"] - s["per_step_us"])
     # under a 1 % of the step: not reported, and the straggler stays the top cause but for the
-    # written-out GELU of transformers' GPT-2 ("gelu_new"), a fault of its own on every rank
+    # written-out GELU of transformers' GPT-2 ("gelu_new") and its LM head's misaligned matmuls
+    # (50257 tokens), faults of their own on every rank
     assert s["share"] < 0.01
-    assert [c["code"] for c in rep["causes"] if c["code"] != "UNFUSED_POINTWISE"][0] == "STRAGGLER"
+    gpt2 = ("UNFUSED_POINTWISE", "MISALIGNED_MATMUL")
+    assert [c["code"] for c in rep["causes"] if c["code"] not in gpt2][0] == "STRAGGLER"
 
 
 def test_split_schedule_one_bucket_per_step():

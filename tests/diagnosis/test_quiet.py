@@ -111,7 +111,9 @@ def test_stall_with_stacks_stays_the_dataloaders(stall):
 
 
 def test_the_scripts_own_synchronize_is_named(stall):
-    none = next(c for c in stall["none"]["causes"] if c["code"] == "HOST_SYNC")
+    # priced after the LM head's misaligned matmuls (GPT-2's 50257 tokens), which shorten the GPU
+    # work it waits for, it may sit under minor
+    none = next(c for c in stall["none"]["causes"] + stall["none"]["minor"] if c["code"] == "HOST_SYNC")
     assert none["evidence"]["explicit_synchronize"] and "the script's own synchronize" in none["title"]
     assert "unknown site" not in none["title"] and "--what python" in none["remedy"]
     assert "torch.cuda.synchronize()" in none["remedy"] and "non_blocking" not in none["remedy"]

@@ -144,15 +144,6 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray):
     return e, acts
 
 
-def _idle_us_in(f: RankFacts, ts: np.ndarray, end: np.ndarray) -> float:
-    """GPU-idle time (recorded µs) that starts inside the re-gathers: the part of the GPU_IDLE
-    symptom they explain on a host-bound rank."""
-    gp = f.gaps
-    if not len(gp.start) or not len(ts):
-        return 0.0
-    return float(gp.dur[union(ts, end).covered(gp.start, gp.start + 1) > 0].sum()) / 1e3
-
-
 def _gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> float:
     """Bytes per step the re-gathers produce (the all-gathers' outputs, from the collectives'
     host records inside them): what the fix keeps in memory from forward to backward."""
@@ -186,7 +177,9 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
     keep = _gathered_bytes(f0, ts, end, tid)
     names = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
     memory = f" ({keep / _MIB:.0f} MiB per rank more at the end of forward, from this trace's all-gathers)" if keep else ""
-    claims = [Claim(GPU_IDLE, f.rank, _idle_us_in(f, found[f.rank][0], found[f.rank][1])) for f in facts]
+    # a job cause names the symptoms it explains on every rank, amounts only for exposed
+    # communication (pipeline.job_claims: what the job stage can know of ranks it has not in hand)
+    claims = [Claim(GPU_IDLE, f.rank, 0.0) for f in facts]
     c = Cause(
         code=CODE, rank=None,
         title=(f"FSDP all-gathers {len(modules)} module(s)' parameters again in backward: {gathers} re-gathers "
