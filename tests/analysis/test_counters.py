@@ -14,7 +14,6 @@ import pytest
 from aiprof.agent.hwmon import write_pm_csv
 from aiprof.agent.pmsampling import PmSamples
 from aiprof.analysis.counters import IDLE_SM_PCT, counter_analysis, load_pm
-from aiprof.diagnosis.causes.matmul_alignment import misaligned
 from aiprof.pipeline import build_report
 from aiprof.export.timeline import build_timeline
 from aiprof.report.text import render
@@ -120,10 +119,7 @@ def test_sm_array_idle_cause_fires_on_an_idle_sm_reading(tmp_path, gpt2_stall):
     names = k.strings("name")
     fam = np.array([kernel_family(x) for x in names.labels])[names.codes]
     tot: dict[str, float] = {}
-    # the largest family but the LM head's misaligned matmuls (GPT-2's 50257 tokens): fixing those
-    # is MISALIGNED_MATMUL's, priced first, after which their SM reading no longer applies
-    slow = np.array([misaligned(x) for x in names.labels])[names.codes]
-    for f_, du in zip(fam[~slow], k["dur"][~slow]):
+    for f_, du in zip(fam, k["dur"]):
         tot[f_] = tot.get(f_, 0.0) + float(du)
     target = max(tot, key=tot.get)
     sel = fam == target
@@ -142,9 +138,11 @@ def test_sm_array_idle_cause_fires_on_an_idle_sm_reading(tmp_path, gpt2_stall):
     rep = build_report(open_capture(str(tmp_path / "cap")))
     fams = {f["family"]: f for f in rep["ranks"][0]["counters"]["families"]}
     assert fams[target]["counters"]["pm_sm_active_pct"] < IDLE_SM_PCT
-    found = [x for x in rep["causes"] if x["code"] == "SM_ARRAY_IDLE"]
-    assert found and found[0]["place"]["name"] == target
-    assert found[0]["evidence"]["sm_active_pct"] < IDLE_SM_PCT and found[0]["saving"]["per_step_us"] > 0
+    # the target is the LM head's matmuls, which MISALIGNED_MATMUL (GPT-2's 50257 tokens) speeds up
+    # first: priced after it, SM_ARRAY_IDLE adds little, so it may sit under minor; alone it saves
+    found = [x for x in rep["causes"] + rep["minor"] if x["code"] == "SM_ARRAY_IDLE" and x["place"]["name"] == target]
+    assert found
+    assert found[0]["evidence"]["sm_active_pct"] < IDLE_SM_PCT and found[0]["saving"]["alone_us"] > 0
     # the others stay quiet: no family but the target reads idle (kernels the counters do not
     # cover are judged by their launch configuration, never the target's)
     assert all(x["place"]["name"] == target for x in found if x["evidence"]["source"] == "GPU counters")
