@@ -21,6 +21,23 @@ def _copy(tmp_path_factory, *names: str) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def data_capture(tmp_path_factory):
+    """``get(rel)``: the capture folder tests/data/<rel> opened from a copy (ingest caches beside
+    its input, not in the repo), once per test module and folder."""
+    from aiprof.trace.store import open_capture
+
+    cache: dict = {}
+
+    def get(rel: str):
+        if rel not in cache:
+            d = tmp_path_factory.mktemp(Path(rel).name) / "cap"
+            shutil.copytree(DATA / rel, d)
+            cache[rel] = open_capture(str(d))
+        return cache[rel]
+    return get
+
+
 @pytest.fixture(scope="session")
 def gpt2_stall(tmp_path_factory) -> Path:
     """GPT-2 training, 1 H200; step 3 has an 80 ms sleep in get_batch (GPU idles)."""

@@ -6,32 +6,19 @@ keeps each GPU's streams apart (one process, four default streams), and single-G
 have no DataParallel functions or a second GPU, get no such cause."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from aiprof.diagnosis.causes import data_parallel
 from aiprof.pipeline import analyse_rank, build_report
-from aiprof.trace.store import open_capture
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "v3b"
 MEASURED = 1 - 24.65 / 216.97
 GPUS = 4
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
-    cache: dict = {}
-
-    def get(name: str):
-        if name not in cache:
-            d = tmp_path_factory.mktemp(name) / "cap"
-            shutil.copytree(DATA / name, d)  # the analysis caches beside the trace: not in the repo
-            cache[name] = open_capture(str(d))
-        return cache[name]
-    return get
+def capture(data_capture):
+    return lambda name: data_capture(f"v3b/{name}")
 
 
 def test_each_gpu_keeps_its_own_streams_in_the_replay(capture):

@@ -6,32 +6,19 @@ ms a step unprofiled, False 54.92 ms (7.3 %); at 192 sequences, where the GPU's 
 re-gathers, 83.47 against 82.78 ms (0.8 %): a negative control (tests/data/v3b/README.txt)."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from aiprof.diagnosis.causes import fsdp_regather
 from aiprof.diagnosis.model import MEDIUM_SHARE
 from aiprof.pipeline import analyse_rank, build_report
-from aiprof.trace.store import open_capture
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "v3b"
 STEPS, BLOCKS = 3, 6
 MEASURED = 1 - 54.92 / 59.26
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
-    cache: dict = {}
-
-    def get(name: str):
-        if name not in cache:
-            d = tmp_path_factory.mktemp(name) / "cap"
-            shutil.copytree(DATA / name, d)  # the analysis caches beside the trace: not in the repo
-            cache[name] = open_capture(str(d))
-        return cache[name]
-    return get
+def capture(data_capture):
+    return lambda name: data_capture(f"v3b/{name}")
 
 
 def test_every_block_is_gathered_again_in_backward_and_the_root_is_not(capture):

@@ -5,32 +5,19 @@ H100, captured with `aiprof run --skip 10 --iterations 3 --what kernels,python,s
 eager attention (hfattn_*) for EAGER_ATTENTION on a model file it was not written against."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from aiprof.diagnosis.causes import matmul_alignment
 from aiprof.pipeline import analyse_rank, build_report
-from aiprof.trace.store import open_capture
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "v3b"
 STEPS = 3
 VOCAB_MEASURED = 1 - 44.67 / 70.72
 HFATTN_MEASURED = 1 - 24.03 / 43.75
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
-    cache: dict = {}
-
-    def get(name: str):
-        if name not in cache:
-            d = tmp_path_factory.mktemp(name) / "cap"
-            shutil.copytree(DATA / name, d)  # the analysis caches beside the trace: not in the repo
-            cache[name] = open_capture(str(d))
-        return cache[name]
-    return get
+def capture(data_capture):
+    return lambda name: data_capture(f"v3b/{name}")
 
 
 def within(pred: float, meas: float, factor: float = 1.5) -> bool:

@@ -7,30 +7,17 @@ traces: there ``set_to_none=True`` measured slower (glibc maps the new gradients
 detector speaks only of GPU gradients, and only when asked for while it is experimental."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 
 from aiprof.diagnosis.causes import zeroed_grads
 from aiprof.pipeline import analyse_rank, build_report
-from aiprof.trace.store import open_capture
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "zero_grad_cpu"
 PARAMS = 12  # 6 Linear layers: a weight and a bias each
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory):
-    cache: dict = {}
-
-    def get(name: str):
-        if name not in cache:
-            d = tmp_path_factory.mktemp(name) / "cap"
-            shutil.copytree(DATA / name, d)  # the analysis caches next to the trace: not in the repo
-            cache[name] = open_capture(str(d))
-        return cache[name]
-    return get
+def capture(data_capture):
+    return lambda name: data_capture(f"zero_grad_cpu/{name}")
 
 
 def _facts(cap):

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aiprof import npx
-
 from aiprof.analysis.launch import launch_rows
 from aiprof.analysis.steps import Steps
 from aiprof.diagnosis.profiler_cost import DEFAULT, MIN_KEPT_SHARE, ProfilerCost

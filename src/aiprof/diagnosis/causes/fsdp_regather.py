@@ -31,6 +31,7 @@ from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
 from aiprof.diagnosis.model import GPU_IDLE, Cause, Claim, Place
+from aiprof.diagnosis.replay import Edit
 
 CODE = "FSDP_REGATHER"
 #: FSDP2's annotations of one module's all-gather and of its copy out (``_fsdp_param_group.py``);
@@ -44,18 +45,18 @@ _MIB = float(1 << 20)
 _AROUND = re.compile(r"fsdp/_fully_shard/_fsdp_param_group\.py\(\d+\): (unshard|wait_for_unshard)$")
 
 
-def _intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(ts, end, tid, name code) of the rows of ``table`` whose name satisfies ``pred``."""
+def _intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ts, end, tid) of the rows of ``table`` whose name satisfies ``pred``."""
     names = table.strings("name")
     ok = np.array([bool(pred(s)) for s in names.labels] + [False])[names.codes] if len(table) else np.zeros(0, bool)
     ts = np.asarray(table["ts"])[ok]
-    return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok], names.codes[ok]
+    return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok]
 
 
 def _inside(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarray:
     """Which of the events (``ts``, ``tid``) start inside one of the ``outer`` intervals of
     their own thread (``outer``: ts, end, tid, as from :func:`_intervals`)."""
-    o_ts, o_end, o_tid = outer[:3]
+    o_ts, o_end, o_tid = outer
     out = np.zeros(len(ts), dtype=bool)
     for t in np.unique(tid):
         m, om = tid == t, o_tid == t
@@ -71,7 +72,15 @@ def _inside(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarray:
 def regathers(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """The rank's re-gathers: (ts, end, tid) of each FSDP all-gather or copy-out annotation run
     in backward for a module already gathered earlier in its step, which of them are the
-    all-gathers (not their copy-outs), and the modules' names."""
+    all-gathers (not their copy-outs), and the modules' names. Found once per rank (kept in
+    ``f.extra``: the job's condition and the detector both ask)."""
+    got = f.extra.get("_fsdp_regathers")
+    if got is None:
+        got = f.extra["_fsdp_regathers"] = _find_regathers(f)
+    return got
+
+
+def _find_regathers(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
     an = f.rt.annotations
     empty = np.zeros(0, np.int64)
     if not len(an) or not len(f.steps):
@@ -119,7 +128,7 @@ def _widen(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> tu
     return ts2, end2
 
 
-def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray):
+def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> Edit:
     """The fix on one rank: the host time inside the re-gather annotations removed, with the
     calls made there (launches, copies) and the GPU ops and collectives they issued."""
     g = f.graph
@@ -141,7 +150,7 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray):
         # a host-side marker inside the annotation (the launch's record_param_comms) goes with it
         inside = _inside(g.a_ts, np.full(g.n_actions, -1), (ts, end, np.full(len(ts), -1)))
         e.cost_remove[marks & inside] = g.cost[marks & inside]
-    return e, acts
+    return e
 
 
 def _gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> float:
@@ -167,7 +176,7 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
         ts, end, tid, gather, modules = regathers(f)
         if not len(ts):
             return []
-        edits[f.rank], _ = _edit(f, *_widen(f, ts, end, tid), tid)
+        edits[f.rank] = _edit(f, *_widen(f, ts, end, tid), tid)
         found[f.rank] = (ts, end, tid, gather, modules)
     f0 = facts[0]
     ts, end, tid, gather, modules = found[f0.rank]

@@ -68,7 +68,6 @@ def _calls(f: RankFacts) -> dict[int, dict]:
     ko = kernel_ops(f)
     bad_code = np.array([misaligned(s) for s in names.labels] + [False])
     tc_code = np.array([is_tensor_core_kernel(s) for s in names.labels] + [False])
-    mm_code = np.array([is_matmul_kernel(s) for s in names.labels] + [False])
     onames = o.strings("name")
     dims = o.strings("input_dims") if "input_dims" in o else None
     types = o.strings("input_types") if "input_types" in o else None
@@ -93,7 +92,7 @@ def _calls(f: RankFacts) -> dict[int, dict]:
         c["ops"].append(i)
         c["ns"] += float(g.o_dur[i])
         c["bad"] |= bool(bad_code[code])
-        c["tc"] |= bool(tc_code[code] and mm_code[code])
+        c["tc"] |= bool(tc_code[code])
     return {n: c for n, c in calls.items() if not c["skip"]}
 
 
