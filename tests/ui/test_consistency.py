@@ -15,6 +15,7 @@ import io
 import json
 import re
 import shutil
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
@@ -59,10 +60,16 @@ def _ms(us: float) -> str:
     return f"{us / 1000.0:,.2f}"
 
 
+def _fixed(v: float, digits: int) -> str:
+    """JavaScript's Number.prototype.toFixed: a tie of the exact binary value rounds up (Python's
+    format rounds it to even: 145.25 µs is "145.2" here, "145.3" in the browser)."""
+    return str(Decimal(v).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def _ui_us(v: float) -> str:
     """web/src/fmt.js us()."""
     a = abs(v)
-    return f"{v / 1e6:.2f} s" if a >= 1e6 else f"{v / 1e3:.2f} ms" if a >= 1e3 else f"{v:.1f} µs"
+    return f"{_fixed(v / 1e6, 2)} s" if a >= 1e6 else f"{_fixed(v / 1e3, 2)} ms" if a >= 1e3 else f"{_fixed(v, 1)} µs"
 
 
 def _steps_tables(text: str) -> list[dict[int, dict[str, str]]]:
