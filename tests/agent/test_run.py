@@ -205,3 +205,32 @@ def test_run_says_why_no_capture(rt, tmp_path):
     res = aiprof(rt, "run", "--skip", "20", "--iterations", "2", "--out", str(out), "--", PY, str(TINY), "--steps", "3")
     assert res.returncode == 0
     assert "exited 0 before reaching --skip 20 + 2 iteration(s)" in res.stderr
+
+
+ITT_JOB = """
+import sys, torch
+m = torch.nn.Linear(32, 32); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+with torch.autograd.profiler.emit_itt():  # a debugging API left on: a range per op
+    for i in range(8):
+        m(torch.randn(16, 32)).sum().backward(); opt.step(); opt.zero_grad()
+for i in range(100):  # more stderr after the agent's line than the tail keeps
+    print("log line", i, "x" * 60, file=sys.stderr)
+"""
+
+
+def test_run_names_the_profiler_already_on_in_the_job(rt, tmp_path):
+    """emit_itt (as emit_nvtx, which needs CUDA) turns torch's autograd profiler on for the whole
+    loop: the agent cannot record beside it. `aiprof run` says so and names it, not "fewer
+    iterations ran", however much the job writes to stderr after the agent's line."""
+    import pytest
+    import torch
+
+    if not torch.profiler.itt.is_available():
+        pytest.skip("this torch was built without ITT")
+    out = tmp_path / "caps"
+    res = aiprof(rt, "run", "--skip", "2", "--iterations", "2", "--out", str(out), "--", PY, "-c", ITT_JOB)
+    assert res.returncode == 0, res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("aiprof: no capture: the job ran, but the capture failed: "), last
+    assert "torch.autograd.profiler.emit_itt()" in last and "turn it off" in last
+    assert not (out.exists() and rank_dirs(out))

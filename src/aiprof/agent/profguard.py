@@ -48,10 +48,29 @@ def busy() -> str | None:
     try:
         torch = sys.modules.get("torch")
         if torch is not None and torch._C._autograd._profiler_enabled():
-            return "a profiler is already recording on this thread; the agent does not record alongside it"
+            return (f"{_active_profiler(torch)} is already on in the job; the agent does not record alongside it "
+                    "(turn it off to capture)")
     except Exception:
         pass
     return None
+
+
+# What each autograd-profiler mode is, as a user turns it on (torch's ActiveProfilerType names).
+_PROFILER_KINDS = {
+    "NVTX": "torch.autograd.profiler.emit_nvtx() (an NVTX range per op, for Nsight Systems)",
+    "ITT": "torch.autograd.profiler.emit_itt() (an ITT range per op, for Intel VTune)",
+    "LEGACY": "the legacy torch.autograd.profiler.profile(use_kineto=False)",
+    "KINETO": "a torch.profiler / torch.autograd.profiler.profile session",
+}
+
+
+def _active_profiler(torch: Any) -> str:
+    """The autograd profiler mode on in this thread, named as users turn it on."""
+    try:
+        kind = str(torch._C._autograd._profiler_type()).rsplit(".", 1)[-1]
+    except Exception:  # an older torch: no type to read
+        kind = ""
+    return _PROFILER_KINDS.get(kind, "a profiler")
 
 
 def _job_call(obj: Any) -> None:

@@ -64,10 +64,18 @@ class StderrTail:
     """
 
     TAIL_BYTES = 4096  # a traceback's last frames and its message
+    # The agents' own "capture failed: <why>" lines (agent/log.warn_once), kept wherever they fall
+    # in the stream: the job may write far more than the tail after them.
+    FAILED_MARK = b": capture failed: "
+    AGENT_PREFIX = b"aiprof agent["
+    FAILURES_KEPT = 8  # distinct reasons (ranks usually share one)
+    LINE_BYTES = 2048  # a longer line is no agent's
 
     def __init__(self) -> None:
         self.buf = bytearray()
         self.thread: threading.Thread | None = None
+        self.failures: list[str] = []
+        self._line = bytearray()
 
     def open(self) -> int:
         """The descriptor the child gets as stderr; the copying thread starts here."""
@@ -97,11 +105,23 @@ class StderrTail:
                     break
                 self.buf += data
                 del self.buf[:-self.TAIL_BYTES]
+                self._scan(data)
                 if out is not None:
                     out.write(data)
                     out.flush()
         finally:
             os.close(fd)
+
+    def _scan(self, data: bytes) -> None:
+        """Keep the reasons of the agents' failed captures, line by line as the data comes."""
+        *done, rest = (bytes(self._line) + data).split(b"\n")
+        for ln in done:
+            ln = ln.rstrip(b"\r")
+            if ln.startswith(self.AGENT_PREFIX) and self.FAILED_MARK in ln:
+                why = ln.split(self.FAILED_MARK, 1)[1].decode("utf-8", "replace").strip()
+                if why and why not in self.failures and len(self.failures) < self.FAILURES_KEPT:
+                    self.failures.append(why)
+        self._line = bytearray(rest[:self.LINE_BYTES])
 
     def lines(self, n: int = 5) -> list[str]:
         """The last ``n`` non-blank lines, after the job has exited."""

@@ -70,14 +70,18 @@ def run(args: argparse.Namespace) -> int:
         if dirs:
             print(f"aiprof: capture {req.capture_id}: " + ", ".join(dirs), file=sys.stderr)
         else:
-            print(no_capture_message(rc, req, tail.lines() if tail else []), file=sys.stderr)
+            print(no_capture_message(rc, req, tail.lines() if tail else [], tail.failures if tail else []),
+                  file=sys.stderr)
     return rc
 
 
-def no_capture_message(rc: int, req: "CaptureRequest", tail: list[str]) -> str:
-    """Why no capture was written: the job failed (its exit status and the end of its stderr), or
-    it finished without reaching the iterations asked for."""
+def no_capture_message(rc: int, req: "CaptureRequest", tail: list[str], failures: list[str] | None = None) -> str:
+    """Why no capture was written: the job failed (its exit status and the end of its stderr), its
+    agents could not capture (``failures``: their reasons, e.g. another profiler already on), or it
+    finished without reaching the iterations asked for."""
     where = f"{req.out}/{req.capture_id}"
+    if rc == 0 and failures:
+        return f"aiprof: no capture: the job ran, but the capture failed: {'; '.join(failures)}"
     if req.iterations is not None:
         need = f"--skip {req.skip} + {req.iterations} iteration(s)"
     else:
