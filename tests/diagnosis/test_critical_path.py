@@ -124,3 +124,26 @@ def test_the_biggest_loss_is_named_without_any_mechanism(tmp_path, no_detector_b
         # the checkpoint's time is split over torch.save's frames: together they are its loss
         total = sum(x["saving"]["share"] for x in rep["causes"] if "v3_job.py" in x["title"])
         assert lo <= total <= hi
+
+
+def test_a_leaf_without_user_frames_is_named_at_its_library_caller(tmp_path):
+    """FSDP's backward re-gathers run in hooks on the autograd engine's thread, where no frame of the
+    user's is on the stack: their leaves are named at FSDP's own function (the nearest library
+    frame that is not one of torch's generic helpers), not left without a site (v3b/fsdp_reshard_fault,
+    trimmed to the script's and FSDP's unshard / wait_for_unshard frames)."""
+    d = tmp_path / "fsdp"
+    shutil.copytree(DATA / "v3b" / "fsdp_reshard_fault", d)
+    f = analyse_rank(open_capture(str(d)).rank(0))[1]
+    gathers = [lf for lf in cp.rank_path(f)[1] if lf.kind == "host" and lf.name.startswith("FSDP::all_gather (")]
+    sites = {lf.site for lf in gathers}
+    assert any(s.startswith("torch/distributed/fsdp/") and s.endswith("): unshard") for s in sites), sites
+    assert all(sites), sites
+
+
+def test_aiprofs_own_frames_are_never_a_users_site():
+    """The agent's collective wrappers run inside the job's calls (aiprof/agent/collectives.py): a
+    leaf under them is named at the user's frame above, not at aiprof's."""
+    from aiprof.analysis.loading import is_library_frame
+
+    assert is_library_frame("aiprof/agent/collectives.py(142): wrapper")
+    assert not is_library_frame("train.py(42): step")

@@ -24,7 +24,9 @@ from aiprof.trace.store import RankTrace
 _LIBRARY_PREFIXES = ("torch/", "transformers/", "accelerate/", "deepspeed/", "triton/", "numpy/",
                      "threading.py", "contextlib.py", "functools.py", "<built-in", "nn.Module:",
                      "tqdm/", "lightning/", "pytorch_lightning/", "apex/", "megatron/", "vllm/",
-                     "importlib", "runpy.py", "<frozen", "site-packages/", "dist-packages/")
+                     "importlib", "runpy.py", "<frozen", "site-packages/", "dist-packages/",
+                     # aiprof's own agent (its collective wrappers run inside the job's calls)
+                     "aiprof/")
 # Host names that mean "loading input": DataLoader iteration, get_batch-like user functions.
 _DATA_LOADING_WORDS = ("get_batch", "next_batch", "load_batch", "fetch_batch", "collate",
                        "dataloader", "__getitem__", "_next_data", "read_batch")

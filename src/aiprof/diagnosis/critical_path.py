@@ -229,11 +229,19 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
 
 
 # ---------------------------------------------------------------------------------------- leaves
+# Frames that never name a leaf's site on a stack without user frames: builtins, and torch's
+# generic helpers that every library goes through (an Event.record's caller in torch/cuda/streams.py
+# says nothing; FSDP's _fsdp_state.py(130): _root_pre_forward above it does).
+_NOT_A_SITE = ("<built-in", "torch/cuda/", "torch/utils/", "torch/_dynamo/", "torch/autograd/", "torch/_ops.py",
+               "torch/nn/modules/module.py", "contextlib.py", "functools.py", "threading.py")
+
+
 @dataclass
 class _Nodes:
     """Per host-tree node, computed once per rank (one vectorised pass per tree depth): the node a
     leaf names (a CUDA call's time is its caller's), the nearest user frame, the nearest op, and
-    for frames inside a library the library call the user's code made."""
+    for frames inside a library the library call the user's code made. ``user`` is, on a stack
+    without a user frame, the nearest library frame above the node."""
 
     named: np.ndarray
     user: np.ndarray
@@ -253,6 +261,11 @@ def _nodes(f: RankFacts) -> _Nodes:
     user = np.where(is_user, ids, -1)
     op = np.where(is_op, ids, -1)
     entry = np.full(n, -1, np.int64)
+    # where nothing of the user's is on the stack (FSDP's or DDP's hooks, the autograd engine's
+    # thread), the site is the nearest library frame that is not one of torch's generic helpers
+    is_frame = f.node_mask(lambda s: not s.startswith(_NOT_A_SITE), (PYTHON,)) if n else np.zeros(0, bool)
+    frame = np.where(is_frame, ids, -1)
+    lib_site = np.full(n, -1, np.int64)
     for idx in f._by_depth():  # shallowest first: a node's parent is done before it
         p = tree.parent[idx]
         ok = p >= 0
@@ -260,6 +273,9 @@ def _nodes(f: RankFacts) -> _Nodes:
         user[i] = np.where(is_user[i], i, user[pp])
         op[i] = np.where(is_op[i], i, op[pp])
         entry[i] = np.where(is_user[pp], i, entry[pp])
+        frame[i] = np.where(is_frame[i], i, frame[pp])
+        lib_site[i] = frame[pp]
+    user = np.where(user >= 0, user, lib_site)
     named = np.where((tree.kind == RUNTIME) & (tree.parent >= 0), tree.parent, ids) if n else ids
     got = f.extra["_leaf_nodes"] = _Nodes(named, user, op, entry)
     return got
