@@ -45,12 +45,19 @@ F.scaled_dot_product_attention) at 48 sequences unless --batch says otherwise (G
                 16-byte aligned tensor-core kernel) -> padded to 50304, a multiple of 64 (nanoGPT's fix)
   cudnnbench    a negative control, most likely: the channels_last ResNet with cuDNN's heuristics
                 (torch.backends.cudnn.benchmark = False, the default) -> benchmark = True, shapes fixed
+  nvtx          the plain eager job (as launch) with every step inside torch.autograd.profiler.emit_nvtx()
+                (a range pushed per op, no Nsight attached) -> without it: a debugging API left on
   hfattn        transformers' GPT-2 (6 layers of 512, vocabulary 8192, GELU tanh) with
                 attn_implementation="eager" -> "sdpa": a model file aiprof was not written against
 
 Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch sequences per rank:
   fsdp_reshard  FSDP2 fully_shard per block with reshard_after_forward=True (the default: every block's
                 parameters all-gathered again in backward) -> reshard_after_forward=False per block
+  fsdp_wrap     FSDP2 fully_shard on the whole model only (one unit: every parameter all-gathered at the
+                forward's start and every gradient reduce-scattered after the backward, nothing to
+                overlap them with) -> fully_shard per block, then the root (= fsdp_healthy)
+  fsdp_compile  fsdp_reshard's fault (eager, host-bound at 48 sequences) -> each block's forward compiled
+                (torch.compile(block.forward), FSDP's hooks left eager): LAUNCH_BOUND's remedy on an FSDP job
   ddp_unused    DDP(find_unused_parameters=True) on a model that uses every parameter -> False (default)
   dataparallel  nn.DataParallel over every visible GPU in one process (run it on 1 rank: torchrun
                 --nproc-per-node 1), --batch sequences per GPU -> DDP, one process per GPU (4 ranks)
@@ -61,6 +68,7 @@ steps [warm, warm + steps) between two device syncs (rank 0 for distributed case
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -281,10 +289,14 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
-    elif a.case in ("fsdp_healthy", "fsdp_reshard"):
+    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile"):
         from torch.distributed.fsdp import fully_shard
 
-        for b in model.blocks:  # the fix keeps each block's gathered parameters from forward to backward
+        # fsdp_reshard's fix keeps each block's gathered parameters from forward to backward;
+        # fsdp_wrap's fault has no unit but the root
+        for b in model.blocks if not (a.case == "fsdp_wrap" and fault) else ():
+            if a.case == "fsdp_compile" and not fault:  # the block's compute compiled, FSDP's hooks around it eager
+                b.forward = torch.compile(b.forward)
             fully_shard(b, reshard_after_forward=not (a.case == "fsdp_reshard" and not fault))
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -350,6 +362,9 @@ def main() -> None:
         if fault and a.case == "print":
             print(f"step {i} loss {loss}", flush=True)
 
+    # the nvtx fault: every step inside emit_nvtx (an autograd-profiler mode: a range per op)
+    nvtx = torch.autograd.profiler.emit_nvtx() if a.case == "nvtx" and fault else contextlib.nullcontext()
+    nvtx.__enter__()
     t_warm = time.perf_counter()
     for i in range(WARM):
         step(i)
@@ -364,6 +379,7 @@ def main() -> None:
         step(i)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / a.steps
+    nvtx.__exit__(None, None, None)
     if graphs:  # unchanged from the line above: no recompile inside the window
         print(f"launch fix: after the window dynamo {dict(counters['stats'])}", flush=True)
     if a.times and rank == 0:

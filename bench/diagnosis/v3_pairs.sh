@@ -138,6 +138,10 @@ captures() {
   done
 }
 # CAPTURE_FIRST=1: the captures before the timings (a call cut off at its limit keeps them)
+# WARMUP=1: one untimed run of the first TIMED job first (a call's first run is its slowest: v3b
+# ddp_unused, 27.9 against 25.0 ms; the fsdp_reshard capture made first calibrated to 70.1 ms, 59.3 timed)
+if [ "${WARMUP:-0}" = 1 ]; then parse "${TS[0]}"; timeout 150 $(launcher) $JOB --case "$c" --variant "$v" --steps 20 $b \
+  > $K/times/warmup.log 2>&1; say "warm-up run $id done"; fi
 if [ "${CAPTURE_FIRST:-0}" = 1 ]; then captures; timings; else timings; captures; fi
 fi
 

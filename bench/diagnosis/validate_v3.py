@@ -83,6 +83,9 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     "v3b/fsdp_reshard_fix": ("fix", "", None, ("FSDP_REGATHER",)),
     # the same at 192 sequences (GPU-bound): 83.47 vs 82.78 ms (0.8 %), the re-gathers hidden
     "v3b/fsdp_reshard_fault_b192": ("healthy", "", None, ()),
+    # fully_shard on the root only (one unit): faster than per block on the host-bound job (34.0 against
+    # 49.3 ms, medians of 3 noisy rounds, README.txt call 6): a harmless "fault", quiet
+    "v3b/fsdp_wrap_fault": ("healthy", "", None, ("FSDP_REGATHER",)),
     # 4-rank DDP, find_unused_parameters=True -> False on a model that uses every parameter: 25.02 vs
     # 24.71 ms (1.2 %, 5 rounds; a first run's 27.86 ms aside): its extra all-reduce costs ~nothing here
     "v3b/ddp_unused_fault": ("healthy", "", None, ()),

@@ -196,10 +196,9 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
         mechanism=("With reshard_after_forward=True (fully_shard's default; FSDP1's FULL_SHARD) each module's gathered "
                    "parameters are freed when its forward ends and all-gathered again for its backward: a second "
                    "all-gather per module per step, with its host work, copies and collective."),
+        # FSDP2's annotations are the evidence: the remedy is FSDP2's (FSDP1 jobs never reach here)
         remedy=("Keep the gathered parameters from forward to backward: fully_shard(module, "
-                "reshard_after_forward=False) for these modules (FSDP1: sharding_strategy=ShardingStrategy."
-                "SHARD_GRAD_OP), if memory allows" + memory + "; or reshard_after_forward=<GPUs per node> to "
-                "re-gather within the node only."),
+                "reshard_after_forward=False) for these modules, if memory allows" + memory + "."),
         place=Place("collective", f"FSDP all-gather in backward ({names})", "", [], []),
         evidence={"regathers_per_step": gathers, "modules": modules, "host_us_per_step": host_ns / 1e3,
                   "bytes_kept_per_step": keep},

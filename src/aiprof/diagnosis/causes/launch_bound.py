@@ -40,6 +40,8 @@ _GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_
 # without Python stacks) FSDP's and c10d's annotations and ops.
 _DISTRIBUTED_FRAMES = ("torch/distributed/",)
 _DISTRIBUTED_EVENTS = ("FSDP::", "fsdp::", "c10d::", "nccl:", "record_param_comms")
+# FSDP's annotations (FSDP2's "FSDP::", FSDP1's "FullyShardedDataParallel."): a job wrapped in FSDP
+_FSDP_EVENTS = ("FSDP::", "FullyShardedDataParallel.")
 
 
 def _distributed(s: str) -> bool:
@@ -120,6 +122,21 @@ def detect(f: RankFacts) -> list[Cause]:
                   "(launches per analysed window): bring those ops into the graphed region (compile the loss "
                   "with the model, the optimizer step with torch.compile, or capture the whole step) or use "
                   "fused versions (an optimizer with fused=True).")
+    elif any(s.startswith(_FSDP_EVENTS) for s in f.tree.labels):
+        # FSDP's hooks (unshard, reshard, reduce-scatter) run between the wrapped modules and wait on
+        # its streams: no one graph spans the step, each module's own compute can be compiled
+        more_work = "or give each rank more work per step (more sequences per rank) so its kernels outlast their launches."
+        if compiled:
+            where = ", ".join(f"{op} ({n})" for op, n in outside[:OUTSIDE_OPS_NAMED]) or "other ops"
+            # compiled code still launches kernel by kernel without a graph: more work per launch is left
+            remedy = ("FSDP's hooks run between its wrapped modules, so one CUDA graph cannot replay the step, and "
+                      f"compiled code already runs in it, still one launch per kernel; most launches come from {where} "
+                      "(launches per analysed window). Give each rank more work per step (more sequences per rank) so "
+                      "its kernels outlast their launches.")
+        else:
+            remedy = ("FSDP's hooks run between its wrapped modules, so one CUDA graph cannot replay the step: compile "
+                      "each wrapped module (torch.compile(block.forward) on each block, FSDP's hooks left eager) to fuse "
+                      "its small ops and cut its launches, " + more_work)
     else:
         remedy = ("Replay the step's launches from a CUDA graph: torch.compile(model, mode=\"reduce-overhead\")"
                   if compiled else
