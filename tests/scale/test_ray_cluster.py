@@ -1,219 +1,40 @@
-"""`aiprof analyze --cluster` on a real Ray head (`ray start --head`, a subprocess), with Ray's
-token authentication on (Ray >= 2.59 turns it on where a token exists) and off.
-
-Each head has its own --temp-dir and a $HOME under tmp_path (the token lives in ~/.ray/auth_token,
-Ray's default place), GCS port 0 (Ray picks a free one and writes the address into
-<temp-dir>/ray_current_cluster, which is also the readiness signal), one CPU and no dashboard.
-Its --temp-dir is a short folder in the system's temp (Ray's socket paths under it have a length
-limit), removed at the end. Its Ray Client server listens on a free port (ray://127.0.0.1:PORT).
-It is stopped by killing its process group: `ray stop` would stop every Ray on the machine,
-the embedded local Ray of other tests included.
+"""`aiprof analyze --cluster` on a real Ray head (`ray start --head`, a subprocess: tests/scale/rayhead.py),
+with Ray's token authentication on (Ray >= 2.59 turns it on where a token exists) and off. Each
+head has one CPU; its Ray Client server listens on a free port (ray://127.0.0.1:PORT).
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from aiprof.pipeline import build_report
-from aiprof.scale import engines
 from aiprof.trace.store import find_trace_files, open_capture
 from tests.deps import need
+from tests.scale.rayhead import Head, analyze, child_env, ray_home, start_head
 
 need("ray")
-
-# A head on two shared cores starts in 5-15 s; far above that it is broken, not slow.
-HEAD_START_TIMEOUT_S = 120.0
-# The whole `aiprof analyze` of two ranks on the head (connect, ingest, analyse): ~10 s here;
-# a refused client gives up after Ray's own ~20 s of retries.
-ANALYZE_TIMEOUT_S = 300.0
-# Ray Client's first wait for the head (Ray's default is 5 s); see _env.
-CLIENT_FIRST_WAIT_S = 20
-# After SIGKILL the group's processes are gone at once; waiting on `ray start` is bounded anyway.
-KILL_WAIT_S = 30.0
-# `ray start` once more when it exits before the head is up: the Ray Client port, free when picked,
-# may be taken by another process before the head binds it (a tiny race on a shared machine).
-HEAD_STARTS = 2
-# How `ray start --block` names the Ray Client server when it exits ("Some Ray subprocesses exited
-# unexpectedly"): the process that fails to bind a taken port.
-CLIENT_SERVER_PROCESS = "ray_client_server"
-# /proc/net/tcp's state of a listening socket.
-TCP_LISTEN = "0A"
-# gRPC's pthread_atfork handlers (grpc/doc/fork_support.md); see _env.
-GRPC_FORK_VAR = "GRPC_ENABLE_FORK_SUPPORT"
-RAY_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
-
-
-def _env(home: Path, **extra: str) -> dict[str, str]:
-    """This test's environment for a child, without the Ray settings of this process (an
-    embedded Ray started by another test sets RAY_AUTH_MODE=token in os.environ)."""
-    env = {k: v for k, v in os.environ.items() if k not in RAY_VARS}
-    src = str(Path(engines.__file__).resolve().parents[2])  # the aiprof under test, for the head's workers too
-    env.update(HOME=str(home), PYTHONPATH=os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p),
-               AIPROF_PROGRESS="never", **extra)
-    # A Ray Client's first connection waits for the head to start a server for it (a new Python
-    # process importing Ray): on CI's two busy cores that outlasted Ray's default patience (5 s,
-    # doubled per retry, 3 tries), so a client that would have been served timed out.
-    env.setdefault(engines.CLIENT_TIMEOUT_VAR, str(CLIENT_FIRST_WAIT_S))
-    # The head's Ray Client proxier forks+execs a server per client while its gRPC threads run; with
-    # gRPC's fork handlers on, 2 of 24 spawns died on two busy cores ("Check failed:
-    # next_worker->state == KICKED", or epoll_wait EBADF), and the client timed out: Ray issue
-    # 63202 (~7 %). gRPC's own advice for a process that always execs after fork is to turn the
-    # handlers off (0 of 40 after).
-    env.setdefault(GRPC_FORK_VAR, "false")
-    return env
-
-
-def _home(root: Path, token: str | None) -> Path:
-    home = root / "home"
-    (home / ".ray").mkdir(parents=True)
-    if token:
-        (home / ".ray" / "auth_token").write_text(token)
-    return home
-
-
-def _free_port() -> int:
-    """A TCP port free on every interface now (the kernel's pick for port 0). Another process may
-    take it before the head binds it: _start then starts the head once more."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("0.0.0.0", 0))
-        return s.getsockname()[1]
-
-
-def _listener_inodes(port: int) -> set[str]:
-    """The socket inodes listening on TCP ``port`` (IPv4 and IPv6), from /proc/net."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if int(cols[1].rpartition(":")[2], 16) == port and cols[3] == TCP_LISTEN:
-                    inodes.add(cols[9])
-    return inodes
-
-
-def _group_listens(pgid: int, port: int) -> bool:
-    """Whether a process of group ``pgid`` (the head's) listens on ``port``: the Ray Client server
-    is up, and the port is its own, not another process's that took it first."""
-    sockets = {f"socket:[{i}]" for i in _listener_inodes(port)}
-    if not sockets:
-        return False
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(pid)) != pgid:
-                continue
-            fd_dir = f"/proc/{pid}/fd"
-            if any(os.readlink(os.path.join(fd_dir, fd)) in sockets for fd in os.listdir(fd_dir)):
-                return True
-        except OSError:  # gone meanwhile, or not ours
-            continue
-    return False
-
-
-class HeadExited(AssertionError):
-    """`ray start` ended before the head was up (e.g. its Ray Client port was taken meanwhile)."""
-
-
-class Head:
-    """A `ray start --head --block` in its own process group, with its Ray Client server on a
-    free port (with ray[client] installed Ray would take 10001: two heads, other engineers'
-    included, would clash there); ``address`` (its GCS) and ``client`` (ray://) once it is up."""
-
-    def __init__(self, root: Path, env: dict[str, str], extra: Sequence[str] = ()) -> None:
-        """``extra``: more `ray start` options (e.g. --resources, another --num-cpus)."""
-        root.mkdir(parents=True)
-        # Ray's --temp-dir holds its AF_UNIX sockets (at most 107 bytes): a short folder in the
-        # system's temp, not pytest's deep tmp_path
-        self.temp = Path(tempfile.mkdtemp(prefix="aiprof-ray-"))
-        self.log = root / "head.log"
-        self.client_port = _free_port()
-        ray_cli = Path(sys.executable).with_name("ray")
-        cmd = [str(ray_cli) if ray_cli.exists() else "ray", "start", "--head", "--block", "--port", "0",
-               "--ray-client-server-port", str(self.client_port),
-               "--num-cpus", "1", "--include-dashboard", "false", "--disable-usage-stats",
-               "--object-store-memory", str(engines.OBJECT_STORE_BYTES), "--temp-dir", str(self.temp), *extra]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.address = ""
-        self.client = f"ray://127.0.0.1:{self.client_port}"
-
-    def wait_address(self) -> str:
-        """The GCS address, once `ray start` has written it and the head's Ray Client server listens."""
-        addr_file = self.temp / "ray_current_cluster"  # written by `ray start` once the head is up
-        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise HeadExited(f"ray start exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
-            text = addr_file.read_text().strip() if addr_file.exists() else ""
-            if text.rpartition(":")[2].isdigit() and _group_listens(self.proc.pid, self.client_port):
-                return text
-            time.sleep(0.1)  # polling a condition, with a deadline
-        raise AssertionError(f"no Ray head after {HEAD_START_TIMEOUT_S} s: {self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the head's GCS, raylet, agents and workers
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=KILL_WAIT_S)
-        # the head's logs stay beside head.log (pytest keeps its last tmp folders): a failure can be read
-        with contextlib.suppress(OSError):
-            shutil.copytree(self.temp / "session_latest" / "logs", self.log.with_name("logs"), symlinks=False)
-        shutil.rmtree(self.temp, ignore_errors=True)
-
-
-def _start(root: Path, env: dict[str, str], extra: Sequence[str] = ()) -> Iterator[Head]:
-    for attempt in range(HEAD_STARTS):
-        head = Head(root / f"start{attempt}", env, extra)
-        try:
-            try:
-                head.address = head.wait_address()
-            except HeadExited as exc:
-                if attempt + 1 < HEAD_STARTS and CLIENT_SERVER_PROCESS in str(exc):
-                    continue  # a port taken between _free_port and the head's bind: once more
-                raise
-            yield head
-            return
-        finally:  # also when it never came up: its group may hold processes already
-            head.stop()
-
 
 @pytest.fixture(scope="module")
 def token_home(tmp_path_factory) -> Path:
     """A home with a Ray token in ~/.ray/auth_token, as `ray.init()` or `ray get-auth-token
     --generate` leave it."""
-    return _home(tmp_path_factory.mktemp("client"), uuid.uuid4().hex)
+    return ray_home(tmp_path_factory.mktemp("client"), uuid.uuid4().hex)
 
 
 @pytest.fixture(scope="module")
 def auth_head(tmp_path_factory, token_home) -> Iterator[Head]:
     """A head with Ray's default where a token exists: RAY_AUTH_MODE unset, token auth on."""
-    yield from _start(tmp_path_factory.mktemp("auth_head"), _env(token_home))
+    yield from start_head(tmp_path_factory.mktemp("auth_head"), child_env(token_home))
 
 
 @pytest.fixture(scope="module")
 def open_head(tmp_path_factory, token_home) -> Iterator[Head]:
     """A head without authentication (RAY_AUTH_MODE=disabled), though its home has a token."""
-    yield from _start(tmp_path_factory.mktemp("open_head"), _env(token_home, RAY_AUTH_MODE="disabled"))
-
-
-def _analyze(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    """`aiprof analyze` with --no-cache: the tasks run on the head each time (another test's results
-    of the same traces, kept beside their stores, would otherwise be read instead)."""
-    return subprocess.run([sys.executable, "-m", "aiprof", "analyze", "--no-cache", *args], env=env, capture_output=True,
-                          text=True, timeout=ANALYZE_TIMEOUT_S, check=False)
+    yield from start_head(tmp_path_factory.mktemp("open_head"), child_env(token_home, RAY_AUTH_MODE="disabled"))
 
 
 def _in_process(ddp2_dir: Path) -> dict:
@@ -230,7 +51,7 @@ def _first_but_gelu(rep: dict) -> dict:
 def test_cluster_with_token_auth(auth_head, token_home, ddp2_dir):
     """--cluster HOST:PORT with RAY_AUTH_MODE unset: aiprof finds ~/.ray/auth_token, sends it, and
     the report on the cluster is the in-process one (two ranks: rank 1 the straggler)."""
-    p = _analyze(_env(token_home), str(ddp2_dir), "--cluster", auth_head.address, "--json")
+    p = analyze(child_env(token_home), str(ddp2_dir), "--cluster", auth_head.address, "--json")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads(p.stdout)
     assert rep == _in_process(ddp2_dir)
@@ -240,7 +61,7 @@ def test_cluster_with_token_auth(auth_head, token_home, ddp2_dir):
 
 def test_ray_address_with_token_auth(auth_head, token_home, ddp2_dir):
     """$RAY_ADDRESS instead of --cluster (with --engine ray: two ranks stay in-process otherwise)."""
-    p = _analyze(_env(token_home, RAY_ADDRESS=auth_head.address), str(ddp2_dir), "--engine", "ray", "--json",
+    p = analyze(child_env(token_home, RAY_ADDRESS=auth_head.address), str(ddp2_dir), "--engine", "ray", "--json",
                  "--stats", str(ddp2_dir.parent / "stats.json"))
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout) == _in_process(ddp2_dir)
@@ -250,15 +71,15 @@ def test_ray_address_with_token_auth(auth_head, token_home, ddp2_dir):
 def test_cluster_without_auth(open_head, token_home, tmp_path, ddp2_dir):
     """A head without authentication: reached by a client that has a token (sent, ignored) and by
     one that has none."""
-    for home in (token_home, _home(tmp_path, None)):
-        p = _analyze(_env(home), str(ddp2_dir), "--cluster", open_head.address, "--json")
+    for home in (token_home, ray_home(tmp_path, None)):
+        p = analyze(child_env(home), str(ddp2_dir), "--cluster", open_head.address, "--json")
         assert p.returncode == 0, p.stderr[-3000:]
         assert json.loads(p.stdout) == _in_process(ddp2_dir)
 
 
 def test_token_head_without_a_token_is_one_line(auth_head, tmp_path, ddp2_dir):
     """A client with no token: one line naming what to set, exit 2, no traceback."""
-    p = _analyze(_env(_home(tmp_path, None)), str(ddp2_dir), "--cluster", auth_head.address)
+    p = analyze(child_env(ray_home(tmp_path, None)), str(ddp2_dir), "--cluster", auth_head.address)
     assert p.returncode == 2, p.stderr[-3000:]
     (line,) = p.stderr.strip().splitlines()  # Ray's own retry warnings are kept out
     assert line.startswith(f"aiprof: error: the Ray cluster at {auth_head.address} refused this client")
@@ -268,7 +89,7 @@ def test_token_head_without_a_token_is_one_line(auth_head, tmp_path, ddp2_dir):
 
 def test_auth_mode_token_without_a_token_is_one_line(auth_head, tmp_path, ddp2_dir):
     """RAY_AUTH_MODE=token set by the user but no token anywhere: said before connecting."""
-    p = _analyze(_env(_home(tmp_path, None), RAY_AUTH_MODE="token"), str(ddp2_dir), "--cluster", auth_head.address)
+    p = analyze(child_env(ray_home(tmp_path, None), RAY_AUTH_MODE="token"), str(ddp2_dir), "--cluster", auth_head.address)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "aiprof: error: RAY_AUTH_MODE=token but no Ray token was found: set $RAY_AUTH_TOKEN or "
@@ -279,7 +100,7 @@ def test_ray_client_with_token_auth(auth_head, token_home, ddp2_dir):
     """--cluster ray://HOST:PORT (Ray Client) with RAY_AUTH_MODE unset: aiprof turns token auth on
     as for a GCS address, Ray Client sends the token on every gRPC call, the head's client server
     accepts it, and the report is the in-process one."""
-    p = _analyze(_env(token_home), str(ddp2_dir), "--cluster", auth_head.client, "--json")
+    p = analyze(child_env(token_home), str(ddp2_dir), "--cluster", auth_head.client, "--json")
     assert p.returncode == 0, p.stderr[-3000:]
     rep = json.loads(p.stdout)
     assert rep == _in_process(ddp2_dir)
@@ -288,7 +109,7 @@ def test_ray_client_with_token_auth(auth_head, token_home, ddp2_dir):
 
 def test_ray_client_without_auth(open_head, token_home, ddp2_dir):
     """Ray Client to a head without authentication, from a client that has a token (sent, ignored)."""
-    p = _analyze(_env(token_home), str(ddp2_dir), "--cluster", open_head.client, "--json")
+    p = analyze(child_env(token_home), str(ddp2_dir), "--cluster", open_head.client, "--json")
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout) == _in_process(ddp2_dir)
 
@@ -296,7 +117,7 @@ def test_ray_client_without_auth(open_head, token_home, ddp2_dir):
 def test_ray_client_without_a_token_is_one_line(auth_head, tmp_path, ddp2_dir):
     """Ray Client with no token to a head with token auth: every ping is UNAUTHENTICATED, Ray gives
     up after its retries (~30 s), and aiprof says what to set in one line, exit 2."""
-    p = _analyze(_env(_home(tmp_path, None)), str(ddp2_dir), "--cluster", auth_head.client)
+    p = analyze(child_env(ray_home(tmp_path, None)), str(ddp2_dir), "--cluster", auth_head.client)
     assert p.returncode == 2, p.stderr[-3000:]
     (line,) = p.stderr.strip().splitlines()
     assert line.startswith(f"aiprof: error: the Ray cluster at {auth_head.client} refused this client")

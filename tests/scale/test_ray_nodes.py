@@ -34,7 +34,14 @@ from aiprof.scale import engines
 from aiprof.scale.job_report import build_job_report
 from aiprof.trace.store import find_trace_files
 from tests.deps import need
-from tests.scale.test_ray_cluster import HEAD_START_TIMEOUT_S, KILL_WAIT_S, Head, _env, _home, _start
+from tests.scale.rayhead import (
+    HEAD_START_TIMEOUT_S,
+    KILL_WAIT_S,
+    Head,
+    child_env,
+    ray_home,
+    start_head,
+)
 
 need("ray")
 
@@ -145,8 +152,8 @@ class Cluster:
 @pytest.fixture
 def cluster(tmp_path) -> Iterator[Cluster]:
     """A fresh two-node cluster per test (the node-loss test kills its second node)."""
-    env = _env(_home(tmp_path / "client", os.urandom(16).hex()))
-    for head in _start(tmp_path / "head", env, ["--resources", json.dumps({HEAD_RESOURCE: 1})]):
+    env = child_env(ray_home(tmp_path / "client", os.urandom(16).hex()))
+    for head in start_head(tmp_path / "head", env, ["--resources", json.dumps({HEAD_RESOURCE: 1})]):
         # a node joining a head with token auth must be told so (Ray: RAY_AUTH_MODE=token ray start --address)
         node = Node(tmp_path / "node2", {**env, engines.AUTH_MODE_VAR: "token"}, head.address)
         try:
