@@ -571,6 +571,9 @@ class CaptureDriver:
         if why:
             self._fail(why)
             return
+        # the unprofiled iterations end here: from now the profiler's set-up (CUPTI's warm-up: 100-200
+        # ms on the v3b GPU jobs, the last of their before_ms) and its callbacks run in the iterations
+        self.before_ms = self.agent.tracker.recent_ms(50)
         try:
             self._start_sampler(self._gpu_uuids())
             self.prof = self._make_profiler()
@@ -595,7 +598,8 @@ class CaptureDriver:
         try:
             self.mode = mode
             tracker = self.agent.tracker
-            self.before_ms = tracker.recent_ms(50)
+            if not (self.prepared and self.before_ms):  # prepared ahead: its iterations are not unprofiled
+                self.before_ms = tracker.recent_ms(50)
             self.info.update(rank_info())
             self.info["thread"] = threading.current_thread().name
             gpus = self._gpu_uuids()
