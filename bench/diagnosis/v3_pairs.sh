@@ -107,7 +107,7 @@ fi
 
 if [ "$PHASE" != single ]; then
 say "multi-GPU jobs"
-launcher() { echo "torchrun --standalone --nproc-per-node $n"; }
+launcher() { echo "env $nenv torchrun --standalone --nproc-per-node $n"; }
 # MULTI: the jobs timed (alternating, ROUNDS rounds) and captured (MULTI="": none), CASE:VARIANT each, or
 # CASE:VARIANT@B with B sequences per rank for that job alone (its ids get a _bB suffix)
 read -r -a MS <<< "${MULTI-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
@@ -115,9 +115,14 @@ read -r -a MS <<< "${MULTI-ddp_uneven:fault ddp_uneven:fix fsdp_healthy:fix}"
 read -r -a TS <<< "${TIMED:-${MS[*]}}"
 # spec CASE:VARIANT[@B][^N] -> c, v, b (the batch flags), n (processes: N, default NPROC) and id
 # (the capture's and timings' name); ^1 runs a one-process job (DataParallel) under torchrun
-parse() { local s=$1; n=${NPROC:-4}; if [ "${s#*^}" != "$s" ]; then n=${s##*^}; s=${s%^*}; fi
+# A trailing ~sockets runs the job with NCCL kept off NVLink and shared memory (its collectives over
+# NET/Socket, as between hosts without InfiniBand); its ids get a _sockets suffix
+SOCKETS_ENV="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1"
+parse() { local s=$1; n=${NPROC:-4}; nenv=""; local sfx=""
+  if [ "${s%~sockets}" != "$s" ]; then nenv=$SOCKETS_ENV; sfx=_sockets; s=${s%~sockets}; fi
+  if [ "${s#*^}" != "$s" ]; then n=${s##*^}; s=${s%^*}; fi
   c=${s%%:*}; local r=${s#*:}; v=${r%%@*}; id=${c}_$v; b=${BATCH:+--batch $BATCH}
-  if [ "$r" != "$v" ]; then b="--batch ${r#*@}"; id=${id}_b${r#*@}; fi; }
+  if [ "$r" != "$v" ]; then b="--batch ${r#*@}"; id=${id}_b${r#*@}; fi; id=$id$sfx; }
 timings() {
   for r in $(seq 1 "$ROUNDS"); do
     for spec in "${TS[@]}"; do
