@@ -86,6 +86,9 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     # fully_shard on the root only (one unit): faster than per block on the host-bound job (34.0 against
     # 49.3 ms, medians of 3 noisy rounds, README.txt call 6): a harmless "fault", quiet
     "v3b/fsdp_wrap_fault": ("healthy", "", None, ("FSDP_REGATHER",)),
+    # the FSDP2 job with NCCL over sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1) against
+    # NCCL's defaults, 4 x H100 (call 9: 99.2 against 55.3 ms, medians of 3 noisy rounds)
+    "v3b/fsdp_sockets_fault": ("fault", "SLOW_INTERCONNECT", 1 - 55.3 / 99.2, ()),
     # 4-rank DDP, find_unused_parameters=True -> False on a model that uses every parameter: 25.02 vs
     # 24.71 ms (1.2 %, 5 rounds; a first run's 27.86 ms aside): its extra all-reduce costs ~nothing here
     "v3b/ddp_unused_fault": ("healthy", "", None, ()),

@@ -149,13 +149,18 @@ def test_aiprofs_own_frames_are_never_a_users_site():
     assert not is_library_frame("train.py(42): step")
 
 
-def test_an_fsdp_collective_is_named_by_the_module_it_gathers_or_reduces(tmp_path):
+@pytest.mark.parametrize("name", ["fsdp_reshard_fault", "fsdp_sockets_fault"])
+def test_an_fsdp_collective_is_named_by_the_module_it_gathers_or_reduces(tmp_path, name):
     """Who issued a collective: under FSDP2 every all-gather and reduce-scatter runs inside FSDP's
     annotation of its module and phase, which names it ("FSDP::all_gather (blocks.4)"), not the
-    generic record_param_comms op that launched the kernel."""
-    d = tmp_path / "fsdp"
-    shutil.copytree(DATA / "v3b" / "fsdp_reshard_fault", d)
+    generic record_param_comms op that launched the kernel. fsdp_sockets_fault keeps torch's
+    record_function frames: there the tree clips each annotation to its enter call, so the kernel's
+    launch is not under it in the tree, only inside its recorded interval."""
+    d = tmp_path / name
+    shutil.copytree(DATA / "v3b" / name, d)
     f = analyse_rank(open_capture(str(d)).rank(0))[1]
     comm = [lf for lf in cp.rank_path(f)[1] if "[communication]" in lf.name or lf.kind in ("collective", "wait for ranks")]
     assert comm and all(lf.site.startswith("FSDP::") for lf in comm), [lf.site for lf in comm]
     assert any(lf.site.startswith("FSDP::all_gather (blocks.") for lf in comm)
+    # FSDP's reduce-scatter is named at FSDP's own frame, not at c10d's or aiprof's wrappers
+    assert not any("distributed_c10d.py" in lf.site or "aiprof/" in lf.site for lf in comm)

@@ -238,7 +238,9 @@ _WRAPPER_ANNOTATIONS = ("FSDP::", "FullyShardedDataParallel.")
 # generic helpers that every library goes through (an Event.record's caller in torch/cuda/streams.py
 # says nothing; FSDP's _fsdp_state.py(130): _root_pre_forward above it does).
 _NOT_A_SITE = ("<built-in", "torch/cuda/", "torch/utils/", "torch/_dynamo/", "torch/autograd/", "torch/_ops.py",
-               "torch/nn/modules/module.py", "contextlib.py", "functools.py", "threading.py")
+               "torch/nn/modules/module.py", "contextlib.py", "functools.py", "threading.py",
+               "torch/distributed/distributed_c10d.py", "torch/distributed/c10d_logger.py",
+               "aiprof/")  # the agent's own wrappers around the job's collectives
 
 
 @dataclass
@@ -246,14 +248,12 @@ class _Nodes:
     """Per host-tree node, computed once per rank (one vectorised pass per tree depth): the node a
     leaf names (a CUDA call's time is its caller's), the nearest user frame, the nearest op, and
     for frames inside a library the library call the user's code made. ``user`` is, on a stack
-    without a user frame, the nearest library frame above the node; ``wrapper`` the nearest
-    annotation of a distributed wrapper, which names who issued a collective."""
+    without a user frame, the nearest library frame above the node."""
 
     named: np.ndarray
     user: np.ndarray
     op: np.ndarray
     entry: np.ndarray
-    wrapper: np.ndarray  # the nearest distributed wrapper's annotation (FSDP::all_gather (blocks.3))
 
 
 def _nodes(f: RankFacts) -> _Nodes:
@@ -273,8 +273,6 @@ def _nodes(f: RankFacts) -> _Nodes:
     is_frame = f.node_mask(lambda s: not s.startswith(_NOT_A_SITE), (PYTHON,)) if n else np.zeros(0, bool)
     frame = np.where(is_frame, ids, -1)
     lib_site = np.full(n, -1, np.int64)
-    is_wrapper = f.node_mask(lambda s: s.startswith(_WRAPPER_ANNOTATIONS), (ANNOTATION,)) if n else np.zeros(0, bool)
-    wrapper = np.where(is_wrapper, ids, -1)
     for idx in f._by_depth():  # shallowest first: a node's parent is done before it
         p = tree.parent[idx]
         ok = p >= 0
@@ -284,10 +282,9 @@ def _nodes(f: RankFacts) -> _Nodes:
         entry[i] = np.where(is_user[pp], i, entry[pp])
         frame[i] = np.where(is_frame[i], i, frame[pp])
         lib_site[i] = frame[pp]
-        wrapper[i] = np.where(is_wrapper[i], i, wrapper[pp])
     user = np.where(user >= 0, user, lib_site)
     named = np.where((tree.kind == RUNTIME) & (tree.parent >= 0), tree.parent, ids) if n else ids
-    got = f.extra["_leaf_nodes"] = _Nodes(named, user, op, entry, wrapper)
+    got = f.extra["_leaf_nodes"] = _Nodes(named, user, op, entry)
     return got
 
 
@@ -317,18 +314,46 @@ def _call_label(f: RankFacts, nodes: _Nodes, action: int) -> tuple[str, str, str
     return KIND_NAMES[CALL], name or "marker", site
 
 
-def _wrapped_comm(f: RankFacts, nodes: _Nodes, ops: np.ndarray, node: np.ndarray, op: np.ndarray) -> np.ndarray:
+def _wrapper_spans(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, tid, node) of the distributed wrappers' annotations in the host tree, with
+    each one's recorded end: with Python stacks the tree clips an annotation to its
+    record_function's enter call, so the calls it holds are not its descendants there."""
+    got = f.extra.get("_wrapper_spans")
+    if got is not None:
+        return got
+    tree = f.tree
+    m = f.node_mask(lambda s: s.startswith(_WRAPPER_ANNOTATIONS), (ANNOTATION,)) if len(tree) else np.zeros(0, bool)
+    idx = np.nonzero(m)[0]
+    an = f.rt.annotations
+    start = tree.start[idx]
+    end = tree.end[idx].astype(np.float64)
+    if len(idx) and len(an):
+        end = np.maximum(end, np.asarray(an["ts"])[tree.row[idx]] + np.asarray(an["dur"])[tree.row[idx]])
+    got = f.extra["_wrapper_spans"] = (start, end, tree.tid[idx], idx)
+    return got
+
+
+def _wrapped_comm(f: RankFacts, ops: np.ndarray, node: np.ndarray, op: np.ndarray) -> np.ndarray:
     """``op`` (the launching op of GPU ops ``ops``, whose launches are host nodes ``node``), with a
-    communication kernel's replaced by its distributed wrapper's annotation where there is one."""
+    communication kernel's replaced by the innermost distributed wrapper's annotation open on its
+    thread when it was launched, where there is one."""
     if not len(ops) or not len(f.tree) or not len(f.rt.kernels):
         return op
-    g = f.graph
+    ws, we, wt, wn = _wrapper_spans(f)
+    if not len(wn):
+        return op
+    g, tree = f.graph, f.tree
     comm = f.rt.kernels.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
     is_k = g.o_table[ops] == 0
     hit = np.zeros(len(ops), dtype=bool)
     hit[is_k] = comm[g.o_row[ops[is_k]]]
-    w = np.where(node >= 0, nodes.wrapper[np.maximum(node, 0)], -1)
-    return np.where(hit & (w >= 0), w, op)
+    out = op.copy()
+    for k in np.nonzero(hit & (node >= 0))[0]:
+        t, tid = tree.start[node[k]], tree.tid[node[k]]
+        inside = (wt == tid) & (ws <= t) & (we >= t)
+        if inside.any():
+            out[k] = wn[inside][np.argmax(ws[inside])]  # the innermost: the latest to open
+    return out
 
 
 def _op_label(f: RankFacts, nodes: _Nodes, j: int, kind: int, memo: dict) -> tuple[str, str, str]:
@@ -341,7 +366,7 @@ def _op_label(f: RankFacts, nodes: _Nodes, j: int, kind: int, memo: dict) -> tup
     code = int(table.strings("name").codes[g.o_row[j]])
     node = int(f.action_nodes()[int(g.o_action[j])])
     op, user = (int(nodes.op[node]), int(nodes.user[node])) if node >= 0 else (-1, -1)
-    op = int(_wrapped_comm(f, nodes, np.array([j]), np.array([node]), np.array([op]))[0])
+    op = int(_wrapped_comm(f, np.array([j]), np.array([node]), np.array([op]))[0])
     key = (int(g.o_table[j]), code, kind, f.tree.code[op] if op >= 0 else -1, f.tree.code[user] if user >= 0 else -1)
     got = memo.get(key)
     if got is not None:
@@ -458,7 +483,7 @@ def leaves(f: RankFacts, path: CriticalPath | None = None) -> list[Leaf]:
     oj, ok = i[op], k[op]
     onode = an[g.o_action[oj]] if len(oj) else np.zeros(0, np.int64)
     oop = np.where(onode >= 0, nodes.op[np.maximum(onode, 0)], -1) if len(tree) else onode
-    oop = _wrapped_comm(f, nodes, oj, onode, oop)
+    oop = _wrapped_comm(f, oj, onode, oop)
     ouser = np.where(onode >= 0, nodes.user[np.maximum(onode, 0)], -1) if len(tree) else onode
     anon = (ok == LATENCY) | (ok == DELAY)  # one leaf each, whatever the op
     ocode = np.zeros(len(oj), np.int64)
