@@ -159,7 +159,8 @@ def test_an_fsdp_collective_is_named_by_the_module_it_gathers_or_reduces(tmp_pat
     d = tmp_path / name
     shutil.copytree(DATA / "v3b" / name, d)
     f = analyse_rank(open_capture(str(d)).rank(0))[1]
-    comm = [lf for lf in cp.rank_path(f)[1] if "[communication]" in lf.name or lf.kind in ("collective", "wait for ranks")]
+    comm = [lf for lf in cp.rank_path(f)[1]
+            if "[communication]" in lf.name or lf.kind in ("collective", "wait for ranks")]
     assert comm and all(lf.site.startswith("FSDP::") for lf in comm), [lf.site for lf in comm]
     assert any(lf.site.startswith("FSDP::all_gather (blocks.") for lf in comm)
     # FSDP's reduce-scatter is named at FSDP's own frame, not at c10d's or aiprof's wrappers

@@ -125,7 +125,6 @@ def detect(f: RankFacts) -> list[Cause]:
     elif any(s.startswith(_FSDP_EVENTS) for s in f.tree.labels):
         # FSDP's hooks (unshard, reshard, reduce-scatter) run between the wrapped modules and wait on
         # its streams: no one graph spans the step, each module's own compute can be compiled
-        more_work = "or give each rank more work per step (more sequences per rank) so its kernels outlast their launches."
         if compiled:
             where = ", ".join(f"{op} ({n})" for op, n in outside[:OUTSIDE_OPS_NAMED]) or "other ops"
             # compiled code still launches kernel by kernel without a graph: more work per launch is left
@@ -135,8 +134,9 @@ def detect(f: RankFacts) -> list[Cause]:
                       "its kernels outlast their launches.")
         else:
             remedy = ("FSDP's hooks run between its wrapped modules, so one CUDA graph cannot replay the step: compile "
-                      "each wrapped module (torch.compile(block.forward) on each block, FSDP's hooks left eager) to fuse "
-                      "its small ops and cut its launches, " + more_work)
+                      "each wrapped module (torch.compile(block.forward) on each block, FSDP's hooks left eager) to "
+                      "fuse its small ops and cut its launches, or give each rank more work per step (more sequences "
+                      "per rank) so its kernels outlast their launches.")
     else:
         remedy = ("Replay the step's launches from a CUDA graph: torch.compile(model, mode=\"reduce-overhead\")"
                   if compiled else
