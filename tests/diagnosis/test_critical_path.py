@@ -165,3 +165,14 @@ def test_an_fsdp_collective_is_named_by_the_module_it_gathers_or_reduces(tmp_pat
     assert any(lf.site.startswith("FSDP::all_gather (blocks.") for lf in comm)
     # FSDP's reduce-scatter is named at FSDP's own frame, not at c10d's or aiprof's wrappers
     assert not any("distributed_c10d.py" in lf.site or "aiprof/" in lf.site for lf in comm)
+
+
+def test_a_subclass_dispatch_leaf_says_what_it_is(tmp_path):
+    """The profiler's "PythonSubclass" event is an op dispatched through a Python tensor subclass:
+    on the FSDP2 job, AdamW's foreach ops on DTensor parameters, the rank's largest host leaf in
+    this (trimmed) capture. The report says what it is, not only the profiler's word."""
+    d = tmp_path / "fsdp"
+    shutil.copytree(DATA / "v3b" / "fsdp_reshard_fault", d)
+    rep = build_report(open_capture(str(d)))
+    rows = [lf for b in rep["baseline"] for lf in b["critical_path"]["leaves"] if lf["name"] == "PythonSubclass"]
+    assert rows and all("tensor subclass" in lf["label"] and "DTensor" in lf["label"] for lf in rows)

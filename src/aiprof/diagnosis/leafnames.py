@@ -25,6 +25,14 @@ _NAMED_LEAVES = (
 )
 
 
+# Events the profiler itself names, by what they are: "PythonSubclass" is the dispatch of an op on
+# a tensor subclass implemented in Python (its __torch_dispatch__): DTensor, the parameters of FSDP2
+# and tensor parallelism, among them. Its time is that Python, on top of the op's.
+_EVENT_NAMES = {
+    "PythonSubclass": "PythonSubclass (an op's dispatch through a Python tensor subclass, e.g. FSDP2's DTensor)",
+}
+
+
 def named_leaf(label: str) -> tuple[str, str]:
     """(the name users know, what to do) of a leaf the project recognises; ("", "") otherwise."""
     for test, name, advice in _NAMED_LEAVES:
@@ -39,6 +47,8 @@ def leaf_display(label: str) -> str:
     name, _ = named_leaf(label)
     if name:
         return name
+    if label in _EVENT_NAMES:
+        return _EVENT_NAMES[label]
     label = _ADDRESS.sub("", label)
     m = re.match(r"(.*?)\((\d+)\): (.*)$", label)
     if m:
