@@ -229,11 +229,6 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
 
 
 # ---------------------------------------------------------------------------------------- leaves
-# Annotations of the distributed wrappers around the calls that issue their collectives: FSDP2's
-# per module and phase ("FSDP::all_gather (blocks.3)", "FSDP::post_backward_reduce (blocks.3)"),
-# FSDP1's. A communication kernel under one is named by it (which module's all-gather), not by
-# the generic op that launched it (record_param_comms).
-_WRAPPER_ANNOTATIONS = ("FSDP::", "FullyShardedDataParallel.")
 # Frames that never name a leaf's site on a stack without user frames: builtins, and torch's
 # generic helpers that every library goes through (an Event.record's caller in torch/cuda/streams.py
 # says nothing; FSDP's _fsdp_state.py(130): _root_pre_forward above it does).
@@ -315,14 +310,16 @@ def _call_label(f: RankFacts, nodes: _Nodes, action: int) -> tuple[str, str, str
 
 
 def _wrapper_spans(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(start, end, tid, node) of the distributed wrappers' annotations in the host tree, with
-    each one's recorded end: with Python stacks the tree clips an annotation to its
-    record_function's enter call, so the calls it holds are not its descendants there."""
+    """(start, end, tid, node) of FSDP's annotations in the host tree, each with its recorded end
+    (with Python stacks the tree clips an annotation to its record_function's enter call, so the
+    calls it holds are not its descendants there). A communication kernel launched inside one is
+    named by it (which module's all-gather), not by the record_param_comms op that launched it."""
     got = f.extra.get("_wrapper_spans")
     if got is not None:
         return got
     tree = f.tree
-    m = f.node_mask(lambda s: s.startswith(_WRAPPER_ANNOTATIONS), (ANNOTATION,)) if len(tree) else np.zeros(0, bool)
+    m = f.node_mask(lambda s: s.startswith(classify.FSDP_ANNOTATIONS), (ANNOTATION,)) if len(tree) \
+        else np.zeros(0, bool)
     idx = np.nonzero(m)[0]
     an = f.rt.annotations
     start = tree.start[idx]
@@ -343,7 +340,10 @@ def _wrapped_comm(f: RankFacts, ops: np.ndarray, node: np.ndarray, op: np.ndarra
     if not len(wn):
         return op
     g, tree = f.graph, f.tree
-    comm = f.rt.kernels.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
+    comm = f.extra.get("_comm_kernels")
+    if comm is None:  # asked once per leaf label: computed once per rank
+        comm = f.rt.kernels.strings("cls").isin_labels(lambda s: s == classify.COMMUNICATION)
+        f.extra["_comm_kernels"] = comm
     is_k = g.o_table[ops] == 0
     hit = np.zeros(len(ops), dtype=bool)
     hit[is_k] = comm[g.o_row[ops[is_k]]]

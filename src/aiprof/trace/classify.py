@@ -15,6 +15,9 @@ MEMSET = "memset"
 # scheme `ncclDevKernel_AllReduce_Sum_f32_RING_LL`; also NVSHMEM and the custom all-reduce
 # kernels that serving engines ship (vLLM `cross_device_reduce_*`).
 _COMM_PREFIXES = ("nccl", "nvshmem", "cross_device_reduce", "void vllm::cross_device_reduce")
+# FSDP's host annotations, one per module and phase: FSDP2's ("FSDP::all_gather (blocks.3)",
+# "FSDP::post_backward_reduce (blocks.3)") and FSDP1's ("FullyShardedDataParallel.forward").
+FSDP_ANNOTATIONS = ("FSDP::", "FullyShardedDataParallel.")
 _NCCL_TYPE = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _COLLECTIVE_CANON = {
     "allreduce": "AllReduce",

@@ -23,6 +23,7 @@ from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import LAUNCH
 from aiprof.diagnosis.model import Cause, Place
+from aiprof.trace import classify
 
 CODE = "LAUNCH_BOUND"
 # Spacing of consecutive kernels replayed from a CUDA graph: 0.26 µs median measured on the lent
@@ -40,8 +41,6 @@ _GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_
 # without Python stacks) FSDP's and c10d's annotations and ops.
 _DISTRIBUTED_FRAMES = ("torch/distributed/",)
 _DISTRIBUTED_EVENTS = ("FSDP::", "fsdp::", "c10d::", "nccl:", "record_param_comms")
-# FSDP's annotations (FSDP2's "FSDP::", FSDP1's "FullyShardedDataParallel."): a job wrapped in FSDP
-_FSDP_EVENTS = ("FSDP::", "FullyShardedDataParallel.")
 
 
 def _distributed(s: str) -> bool:
@@ -122,7 +121,7 @@ def detect(f: RankFacts) -> list[Cause]:
                   "(launches per analysed window): bring those ops into the graphed region (compile the loss "
                   "with the model, the optimizer step with torch.compile, or capture the whole step) or use "
                   "fused versions (an optimizer with fused=True).")
-    elif any(s.startswith(_FSDP_EVENTS) for s in f.tree.labels):
+    elif any(s.startswith(classify.FSDP_ANNOTATIONS) for s in f.tree.labels):  # a job wrapped in FSDP
         # FSDP's hooks (unshard, reshard, reduce-scatter) run between the wrapped modules and wait on
         # its streams: no one graph spans the step, each module's own compute can be compiled
         if compiled:
