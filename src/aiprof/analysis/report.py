@@ -44,6 +44,25 @@ from aiprof.analysis.timeseries import gpu_activity, memop_distribution
 from aiprof.trace.store import RankTrace
 
 SCHEMA = "aiprof.report/2"
+#: A rank section's tables (kernels, host functions, API calls, FLOPs, the step diff, counters,
+#: native calls, roofline): ~46 of the ~50 kB of a 29 MB rank's section, and what a report of
+#: many ranks keeps for the ranks its diagnosis names only (pipeline.assemble, docs/report.md
+#: "Ranks in brief"); a section without them is "brief". Its other fields (steps, summary,
+#: communication, memory, activity) are what the cross-rank comparison and the rank list read.
+DETAIL_FIELDS = ("top_kernels", "kernels", "kernels_other", "kernels_by_calls", "runtime", "hotspots", "flops",
+                 "step_diff", "counters", "native", "roofline")
+
+
+def brief(section: dict) -> dict:
+    """A rank's report section (a ``ranks`` entry) without its tables (DETAIL_FIELDS)."""
+    return {k: v for k, v in section.items() if k not in DETAIL_FIELDS}
+
+
+def is_brief(section: dict) -> bool:
+    """Whether a ``ranks`` entry was kept without its tables (see :func:`brief`)."""
+    return "top_kernels" not in section
+
+
 _SUM_FIELDS = ("duration_us", "compute_us", "communication_us", "memory_us", "idle_us",
                "communication_total_us", "memory_total_us", "runtime_us", "sync_us", "dataloader_us")
 

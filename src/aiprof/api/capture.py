@@ -12,9 +12,9 @@ import os
 from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from aiprof.analysis.kernels import kernel_stats
-from aiprof.pipeline import build_report
 from aiprof.api.frame import Frame, arrow_rows, arrow_table
 from aiprof.api.report import Report, Step
+from aiprof.pipeline import build_report
 from aiprof.trace import store
 from aiprof.trace.builder import TABLES
 
@@ -138,7 +138,8 @@ class Capture:
         """The report (``aiprof analyze``'s, schema aiprof.report/2) as typed objects; computed
         once. ``report().to_dict()`` is the JSON report; in a notebook it shows its causes."""
         if self._report is None:
-            self._report = Report.from_dict(build_report(self._raw, self._entry, self._top))
+            # every rank's tables, however many ranks: the frames below read them all
+            self._report = Report.from_dict(build_report(self._raw, self._entry, self._top, detail=None))
         return self._report
 
     # ------------------------------------------------------------------ HolisticTraceAnalysis counterparts

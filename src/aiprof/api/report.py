@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, TypeVar
 
+from aiprof.analysis.report import DETAIL_FIELDS, is_brief
 from aiprof.api import render
 from aiprof.report import json_report
 
@@ -239,6 +240,21 @@ class RankReport(Record):
     counters: Optional[dict] = field(repr=False)
     native: Optional[dict] = field(repr=False)
     extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RankReport:
+        """A brief section (a report of many ranks keeps the tables of the ranks it names only:
+        docs/report.md, "Ranks in brief") reads with each table None (``brief``)."""
+        return super().from_dict({**dict.fromkeys(DETAIL_FIELDS), **d} if is_brief(d) else d)
+
+    @property
+    def brief(self) -> bool:
+        """Whether the report kept this rank without its tables (a full section's are never None)."""
+        return self.top_kernels is None
+
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        return {k: v for k, v in out.items() if not (k in DETAIL_FIELDS and v is None)} if self.brief else out
 
 
 @dataclass

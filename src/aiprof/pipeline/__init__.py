@@ -14,6 +14,7 @@ call these same functions, so a report cannot depend on where it was computed
 (tests/scale/test_drift.py; docs/architecture.md).
 """
 from aiprof.pipeline.stages import (
+    DETAIL_RANKS,
     RankSummary,
     analyse_rank,
     assemble,
@@ -25,5 +26,5 @@ from aiprof.pipeline.stages import (
     rank_stage,
 )
 
-__all__ = ["RankSummary", "analyse_rank", "assemble", "build_report", "cross_rank_stage", "diagnose", "job_claims",
+__all__ = ["DETAIL_RANKS", "RankSummary", "analyse_rank", "assemble", "build_report", "cross_rank_stage", "diagnose", "job_claims",
            "job_stage", "rank_stage"]

@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass
 
 from aiprof import __version__
 from aiprof.analysis.ranks import cross_rank
-from aiprof.analysis.report import SCHEMA, RankReport, rank_section
+from aiprof.analysis.report import SCHEMA, RankReport, brief, rank_section
 from aiprof.diagnosis import causes as registry
 from aiprof.diagnosis import engine
 from aiprof.diagnosis.detector import JobFacts
@@ -92,13 +92,47 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
     return engine.assemble(causes, symptoms, [s.baseline for s in summaries])
 
 
-def assemble(world_size: int, ranks: list[dict], sources: list[str], cross: dict | None, diagnosis: dict) -> dict:
+#: Up to this many ranks the report keeps every rank's tables; above it, those of the ranks its
+#: diagnosis names, at most this many (detail_ranks). It is as many ranks as the in-process joint
+#: replay analyses (diagnosis.job.JOINT_MAX_RANKS) and the text report's tables read at once: past
+#: it, every rank's tables made the report ~50 kB a rank of ~30 MB (79 MB at 1,024 ranks), three
+#: quarters of it tables of ranks nothing points at. The UI computes a brief rank's tables when
+#: they are asked for (server/data.py).
+DETAIL_RANKS = 16
+
+
+def detail_ranks(ranks: list[int], cross: dict | None, diagnosis: dict, most: int = DETAIL_RANKS) -> list[int]:
+    """The ranks whose tables a report of more than ``most`` ranks keeps, at most ``most``, the
+    most telling first: each straggler and the rank it is compared with, then the ranks of the
+    causes in their ranked order (the reported ones: not ``minor``, which names most ranks of a
+    large job), then the ranks found abnormal, then the lowest rank (where the job's causes are
+    priced)."""
+    cross = cross or {}
+    named = [r for ev in cross.get("stragglers") or () for r in (ev.get("straggler_rank"), ev.get("base_rank"))]
+    named += [c.get("rank") for c in diagnosis.get("causes") or ()]
+    named += [int(k) for k, v in sorted((cross.get("flags") or {}).items(), key=lambda kv: int(kv[0]))
+              if "abnormal" in v]
+    have = set(ranks)
+    out = list(dict.fromkeys(r for r in [*named, min(ranks, default=None)] if r in have))
+    return out[:most]
+
+
+def assemble(world_size: int, ranks: list[dict], sources: list[str], cross: dict | None, diagnosis: dict,
+             detail: int | None = DETAIL_RANKS) -> dict:
     """The report (schema aiprof.report/2) from its parts: the ranks' sections (report dicts, in
-    rank order), the cross-rank comparison and the diagnosis."""
+    rank order), the cross-rank comparison and the diagnosis. Above ``detail`` ranks, the
+    sections of the ranks that detail_ranks does not pick are brief (analysis.report.brief), and
+    ``capture.detail_ranks`` lists those that are not (absent: every rank keeps its tables, as
+    with ``detail`` None)."""
+    capture = {"world_size": world_size, "ranks_found": [r["rank"] for r in ranks], "sources": sources}
+    if detail is not None and len(ranks) > detail:
+        keep = detail_ranks(capture["ranks_found"], cross, diagnosis, detail)
+        capture["detail_ranks"] = keep
+        ranks = [r if r["rank"] in keep else brief(r) for r in ranks]
     return {
         "schema": SCHEMA,
         "generator": {"name": "aiprof", "version": __version__},
-        "capture": {"world_size": world_size, "ranks_found": [r["rank"] for r in ranks], "sources": sources},
+        "capture": capture,
         "ranks": ranks,
         "cross_rank": cross,
         # causes (ranked by saving) explain symptoms; docs/findings.md
@@ -106,8 +140,9 @@ def assemble(world_size: int, ranks: list[dict], sources: list[str], cross: dict
     }
 
 
-def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
-    """The full report of a capture as a JSON-ready dict, every stage in this process."""
+def build_report(cap: Capture, entry: str | None = None, top: int = 15, detail: int | None = DETAIL_RANKS) -> dict:
+    """The full report of a capture as a JSON-ready dict, every stage in this process.
+    ``detail``: see :func:`assemble` (None: every rank's tables, whatever the ranks)."""
     pairs = [analyse_rank(rt, entry, top) for rt in cap.ranks]
     ranks = [p[0] for p in pairs]
     facts = [p[1] for p in pairs]
@@ -115,4 +150,4 @@ def build_report(cap: Capture, entry: str | None = None, top: int = 15) -> dict:
     cr = cross_rank(cap, ranks, columns=columns) if len(ranks) >= 2 else None
     cross = asdict(cr) if cr is not None else None
     return assemble(cap.world_size, [asdict(r) for r in ranks], [r.source for r in cap.ranks], cross,
-                    diagnose(facts, cross, columns))
+                    diagnose(facts, cross, columns), detail)

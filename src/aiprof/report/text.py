@@ -77,6 +77,8 @@ def _family_label(family: str) -> str:
 
 def _has_gpu(rank: dict) -> bool:
     """False for a CPU-only capture: its GPU breakdown (all idle, all zero) means nothing."""
+    if "hotspots" not in rank:  # a brief section (many ranks): no hotspots table, the device says
+        return rank["device"].get("kind") == "gpu"
     return bool((rank.get("hotspots") or {}).get("has_gpu", True))
 
 
@@ -381,7 +383,9 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         console.print(_ranks_table(report))
         _cross_rank(console, report.get("cross_rank"))
         console.print()
-    for r in ranks[:_MAX_RANK_DETAIL]:
+    detail = cap.get("detail_ranks")  # a report of many ranks: the ones whose tables it kept, most telling first
+    shown = [r for k in detail for r in ranks if r["rank"] == k] if detail is not None else ranks
+    for r in shown[:_MAX_RANK_DETAIL]:
         dev = r["device"]
         s = r["summary"]
         console.print(Text(f"Rank {r['rank']} · {device_label(dev)} · {r['source']}", style="bold cyan"))
@@ -403,8 +407,12 @@ def render(report: dict, file: IO[str] | None = None, width: int | None = None) 
         render_diagnosis(console, r)
         _native(console, r)
         console.print()
-    if len(ranks) > _MAX_RANK_DETAIL:
-        console.print(f"({len(ranks) - _MAX_RANK_DETAIL} more ranks: see the JSON report)")
+    more = len(ranks) - min(len(shown), _MAX_RANK_DETAIL)
+    if detail is not None:
+        console.print(f"({more} more ranks: the JSON report has every rank's steps and the tables of "
+                      f"the {len(detail)} it names; `aiprof ui` shows any rank's tables)")
+    elif more > 0:
+        console.print(f"({more} more ranks: see the JSON report)")
     _causes(console, report)
 
 

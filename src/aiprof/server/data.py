@@ -10,18 +10,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from aiprof.protocol import COLUMN_UNITS
-from aiprof.analysis.counters import counter_analysis, load_pm
 from aiprof.analysis import links, timeline, timeseries
+from aiprof.analysis.counters import counter_analysis, load_pm
 from aiprof.analysis.diff import diff_steps
 from aiprof.analysis.hotspots import hotspots
 from aiprof.analysis.kernels import kernel_family, kernel_stats, top_with_other
 from aiprof.analysis.memory import MemoryAnalysis, load_snapshot, memory_from_snapshot
 from aiprof.analysis.ranks import MatchedCollectives, matched_collectives
-from aiprof.pipeline import build_report
+from aiprof.analysis.report import is_brief, rank_section
 from aiprof.analysis.steps import find_steps
 from aiprof.analysis.steps import window as steps_window
 from aiprof.errors import AiprofError
+from aiprof.pipeline import build_report
+from aiprof.protocol import COLUMN_UNITS
 from aiprof.trace.store import Capture, RankTrace
 
 MAX_ROWS = 5000  # rows a table endpoint returns at most
@@ -78,13 +79,23 @@ class CaptureData:
                              404) from None
 
     def report(self) -> dict:
-        return self._once("report", lambda: build_report(self.capture, entry=self.entry))
+        # every rank's tables: built here, they cost nothing more to keep
+        return self._once("report", lambda: build_report(self.capture, entry=self.entry, detail=None))
 
     def rank_report(self, r: int) -> dict:
         for rr in self.report()["ranks"]:
             if rr["rank"] == r:
                 return rr
         raise BadRequest(f"no rank {r}", 404)
+
+    def rank_detail(self, r: int) -> dict:
+        """The rank's report section with its tables. A report of many ranks keeps the tables of
+        the ranks its diagnosis names only (pipeline.DETAIL_RANKS): a brief section's are computed
+        here from the rank's store when first asked for, then kept."""
+        rr = self.rank_report(r)
+        if not is_brief(rr):
+            return rr
+        return self._once(("detail", r), lambda: {**asdict(rank_section(self.rank(r), self.entry)[0]), **rr})
 
     def index(self, rt: RankTrace) -> timeline.TimelineIndex:
         return self._once(("tl", rt.rank), lambda: timeline.build_index(rt))
@@ -125,7 +136,7 @@ class CaptureData:
         """Every dashboard panel of one rank, plus the GPU-busy series of every rank by host."""
         k = _clamp(k, 1, 200, "k")
         rt = self.rank(r)
-        rr = self.rank_report(rt.rank)
+        rr = self.rank_detail(rt.rank)
         rep = self.report()
         s = rr["summary"] or {}
         stats = self._once(("kstats", rt.rank), lambda: kernel_stats(rt))
@@ -194,7 +205,7 @@ class CaptureData:
         return {"name": name, "calls": int(len(d)), **timeseries.histogram(d, _clamp(bins, 1, 200, "bins"))}
 
     def steps(self, r: int) -> dict:
-        rr = self.rank_report(self.rank(r).rank)
+        rr = self.rank_detail(self.rank(r).rank)
         return {"rank": rr["rank"], "step_source": rr["step_source"], "steps": rr["steps"],
                 "default_diff": rr.get("step_diff")}
 
