@@ -18,7 +18,6 @@ times and its causes and symptoms. The report has the same schema as the in-proc
 """
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -186,10 +185,3 @@ def partners(ranks: list[int], waited_us: dict, coupled: dict, caused_us: dict |
     ref = next(r for r in typical if r != slow)
     return {r: slow if r != slow else ref for r in cand}
 
-
-def default_cpus() -> int:
-    """CPUs this process may use (the embedded Ray's default)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
