@@ -20,6 +20,12 @@ from aiprof.diagnosis.facts import RankFacts
 BACKWARD_SUFFIXES = ("Backward0", "Backward1", "Backward2")
 
 
+def _is_backward(name: str) -> bool:
+    """A backward function's op. One function, not a lambda per call: RankFacts.node_mask keys
+    its cache by the predicate, and backward_node_seq is called once per chain and site."""
+    return name.endswith(BACKWARD_SUFFIXES)
+
+
 @dataclass
 class KernelOps:
     """Arrays per graph op (GPU op of the replay graph, in launch order)."""
@@ -105,7 +111,7 @@ def backward_node_seq(f: RankFacts, nodes: np.ndarray) -> np.ndarray:
     out = np.full(len(nodes), -1, np.int64)
     if not len(t) or not len(o) or "seq" not in o:
         return out
-    is_bw = f.node_mask(lambda s: s.endswith(BACKWARD_SUFFIXES), (OP,))
+    is_bw = f.node_mask(_is_backward, (OP,))
     cur = np.asarray(nodes, np.int64).copy()
     active = cur >= 0
     while active.any():
