@@ -72,7 +72,10 @@ class RankTrace:
         if t is None:
             path = os.path.join(self.store_dir, f"{name}.parquet") if self.store_dir else None
             if path and os.path.exists(path):
-                t = Table.from_arrow(pq.read_table(path))
+                # ParquetFile, not read_table: read_table's pyarrow.dataset imports pandas (0.4
+                # CPU-s in each fresh worker); the table read is the same
+                with pq.ParquetFile(path) as pf:
+                    t = Table.from_arrow(pf.read())
             else:
                 t = empty_table(name)
             self._tables[name] = t

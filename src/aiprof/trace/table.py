@@ -84,9 +84,9 @@ class Table:
         arrays, names = [], []
         for k, col in self.columns.items():
             if isinstance(col, Strings):
-                arr = pa.DictionaryArray.from_arrays(pa.array(col.codes, pa.int32()), pa.array(col.labels, pa.string()))
+                arr = pa.DictionaryArray.from_arrays(_codes_to_arrow(col.codes), _labels_to_arrow(col.labels))
             else:
-                arr = pa.array(col)
+                arr = _to_arrow(col)
             arrays.append(arr)
             names.append(k)
         return pa.Table.from_arrays(arrays, names=names)
@@ -102,13 +102,71 @@ class Table:
                     cols[name] = Strings(np.zeros(0, np.int32), [])
                     continue
                 labels = chunked.chunk(0).dictionary.to_pylist()
-                codes = np.concatenate([c.indices.to_numpy(zero_copy_only=False) for c in chunked.chunks]).astype(np.int32)
+                codes = np.concatenate([_from_arrow(c.indices, True) for c in chunked.chunks]).astype(np.int32)
                 cols[name] = Strings(codes, labels)
             elif pa.types.is_string(chunked.type) or pa.types.is_large_string(chunked.type):
                 cols[name] = encode_strings(chunked.to_pylist())
+            elif chunked.num_chunks == 1:
+                cols[name] = _from_arrow(chunked.chunk(0), False)
             else:
                 cols[name] = chunked.to_numpy()
         return cls(cols)
+
+
+# Columns cross to and from Arrow through their buffers where pyarrow would take the same path
+# itself: pa.array and Array/ChunkedArray.to_numpy import pandas when it is installed (about
+# 0.4 CPU-s, once per process: in a fresh Ray worker, more than a rank's ingest itself). Other
+# columns (a dtype or a layout not listed here, nulls) take pyarrow's own conversion.
+_NUMERIC_KINDS = "iuf"  # numpy dtype kinds stored as Arrow's fixed-width primitives
+_MAX_UTF8_BYTES = (1 << 31) - 1  # Arrow's string type: int32 offsets
+
+
+def _to_arrow(col: np.ndarray) -> pa.Array:
+    """``pa.array(col)`` for a numeric or bool column (the same array), without its pandas check."""
+    if col.ndim != 1 or not col.dtype.isnative:
+        return pa.array(col)
+    if col.dtype.kind in _NUMERIC_KINDS:
+        return pa.Array.from_buffers(pa.from_numpy_dtype(col.dtype), len(col),
+                                     [None, pa.py_buffer(np.ascontiguousarray(col))])
+    if col.dtype.kind == "b":  # Arrow's booleans are bits, least significant first
+        return pa.Array.from_buffers(pa.bool_(), len(col), [None, pa.py_buffer(np.packbits(col, bitorder="little"))])
+    return pa.array(col)
+
+
+def _codes_to_arrow(codes: np.ndarray) -> pa.Array:
+    """``pa.array(codes, pa.int32())``: a dictionary column's indices."""
+    return _to_arrow(codes) if codes.dtype == np.int32 else pa.array(codes, pa.int32())
+
+
+def _labels_to_arrow(labels: list[str]) -> pa.Array:
+    """``pa.array(labels, pa.string())``: a dictionary column's labels as UTF-8 and offsets."""
+    try:
+        data = [s.encode() for s in labels]
+    except (AttributeError, UnicodeEncodeError):  # not a str, or a lone surrogate: pyarrow says what
+        return pa.array(labels, pa.string())
+    offsets = np.zeros(len(data) + 1, np.int64)
+    np.cumsum([len(b) for b in data], out=offsets[1:])
+    if offsets[-1] > _MAX_UTF8_BYTES:
+        return pa.array(labels, pa.string())
+    return pa.Array.from_buffers(pa.string(), len(data),
+                                 [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))])
+
+
+def _from_arrow(a: pa.Array, copy_ok: bool) -> np.ndarray:
+    """``ChunkedArray.to_numpy()`` of a one-chunk column (the same dtype, values and flags: a
+    read-only view of a numeric column, a new bool array). ``copy_ok``: the caller copies it
+    anyway (any flags will do)."""
+    t = a.type
+    if a.null_count or not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        return a.to_numpy(zero_copy_only=False) if copy_ok else pa.chunked_array([a]).to_numpy()
+    buf = a.buffers()[1]
+    if pa.types.is_boolean(t):
+        bits = np.frombuffer(buf, np.uint8) if buf is not None else np.zeros(0, np.uint8)
+        return np.unpackbits(bits, count=a.offset + len(a), bitorder="little")[a.offset:].astype(bool)
+    dtype = np.dtype(t.to_pandas_dtype())
+    if buf is None:
+        return np.zeros(0, dtype) if copy_ok else pa.chunked_array([a]).to_numpy()
+    return np.frombuffer(buf, dtype, len(a), a.offset * dtype.itemsize)
 
 
 def encode_strings(values: Iterable[str | None]) -> Strings:
