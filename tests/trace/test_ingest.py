@@ -160,3 +160,22 @@ def test_chunk_ending_anywhere_in_the_header(tmp_path):
     head = p.read_bytes().index(b"[")
     for chunk in range(head - 24, head + 4):
         assert kineto.read_trace(str(p), chunk_bytes=chunk, workers=1).n_events == 3, chunk
+
+
+def test_ingest_and_analysis_never_import_pandas(tmp_path, ddp2_dir):
+    """A rank's ingest (the store written) and its analysis never import pandas, which pyarrow's
+    pa.array / to_numpy / read_table would: ~0.4 CPU-s in every fresh worker process of a
+    scaled-out analysis, more than a small rank's ingest (trace/table.py)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("pandas")  # installed here (the API's frames): the import would happen
+    code = ("import sys; from aiprof.scale import tasks; "
+            f"tasks.ingest_rank({str(ddp2_dir / 'ddp2_slow1_rank0.json.gz')!r}, 0, use_cache=False); "
+            f"from aiprof.pipeline import build_report; from aiprof.trace.store import open_capture; "
+            f"build_report(open_capture([{str(ddp2_dir / 'ddp2_slow1_rank0.json.gz')!r}])); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pandas'))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "AIPROF_CACHE_DIR": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]"
