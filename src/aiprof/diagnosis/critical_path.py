@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aiprof import npx
-from aiprof.analysis.hotspots import KIND_NAMES as HOST_EVENT_KINDS
 from aiprof.analysis.hotspots import ANNOTATION, OP, PYTHON, RUNTIME
+from aiprof.analysis.hotspots import KIND_NAMES as HOST_EVENT_KINDS
 from aiprof.analysis.kernels import kernel_family
 from aiprof.analysis.loading import is_library_frame
 from aiprof.diagnosis.facts import RankFacts
