@@ -57,8 +57,10 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total)
 # The phase Ray's start is reported as (progress file, bar).
 STARTING = "starting ray"
 # Phases that run on worker processes of this machine while the embedded Ray starts: the first
-# phase has nothing else to overlap Ray's start with (~6 s on 64 cores, every core idle), and an
-# ingest task needs nothing but its file. The later phases run on Ray, started by then.
+# phase has nothing else to overlap Ray's start with (~6 s on 64 cores), and an ingest task needs
+# nothing but its file. The later phases run on Ray, started by then. Measured (docs/scale.md,
+# 1,024 ranks of 29 MB): ~3 s saved with 16 workers on 64 cores; none with 64, where Ray's start
+# (one worker process per CPU) slows by as much beside the ingest.
 WHILE_STARTING = ("ingest",)
 
 
@@ -465,7 +467,8 @@ class RayEngine:
         self.stats._phase(phase)["wall_s"] += time.perf_counter() - t0
         self.nodes = {}  # every call ran here: no node to prefer later
         if lost:
-            for j, out in self._map(phase, fn, [calls[i] for i in lost]):
+            shifted = (lambda p, n, _t: progress(p, done_n + n, len(calls))) if progress else None
+            for j, out in self._map(phase, fn, [calls[i] for i in lost], shifted):
                 yield lost[j], out
             self.nodes = {lost[j]: n for j, n in self.nodes.items()}
 
