@@ -6,8 +6,10 @@ its own custom resource (which names it: the probe below maps it to its Ray node
 Where the tasks ran is read from `--stats` (`phases.<phase>.nodes`: tasks per Ray node id); the
 reference report is the same per-rank pipeline in the test's process (a SerialEngine).
 
-Losing the second node mid-run: once one of its Ray workers runs an aiprof task (its process
-title is ``ray::_timed``), its whole process group (raylet, object store, workers) is killed.
+Losing the second node mid-run: another job holds the head's CPU, so every task goes to the
+second node; once one of its Ray workers runs an aiprof task (its process title is
+``ray::_timed``), its whole process group (raylet, object store, workers) is killed, then the
+other job, which frees the head for the retried tasks.
 The run must still end within ANALYZE_TIMEOUT_S with the complete report: Ray retries the lost
 tasks on the head.
 
@@ -68,6 +70,22 @@ PROBE = textwrap.dedent("""
             break
         time.sleep(0.2)
     print(json.dumps(ids))
+""")
+
+
+# Another job holding the head's one CPU (a task pinned there by the head's resource) until it is
+# killed; it says "holding" once Ray shows the head's resource taken.
+BLOCKER = textwrap.dedent("""
+    import sys, time
+    import ray
+    from aiprof.scale import engines
+    engines.use_token_auth(sys.argv[1])
+    ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+    ref = ray.remote(lambda: time.sleep(3600)).options(num_cpus=1, resources={sys.argv[2]: 1}).remote()
+    while ray.available_resources().get(sys.argv[2], 0) > 0:
+        time.sleep(0.1)
+    print("holding", flush=True)
+    ray.get(ref)
 """)
 
 
@@ -214,10 +232,16 @@ def test_tasks_run_on_both_nodes(cluster, ddp4_dir, reference, tmp_path):
 
 def test_losing_the_second_node_mid_run(cluster, ddp4_dir, reference, tmp_path):
     """The second node is killed while it runs a task: Ray retries the lost work on the head, and
-    the run ends with the complete report, within ANALYZE_TIMEOUT_S."""
+    the run ends with the complete report, within ANALYZE_TIMEOUT_S. The head's CPU is held by
+    another job's task (BLOCKER) until then, so that every task goes to the second node: left to
+    Ray, some runs gave it none, or tasks too short to be seen running (a flaky test)."""
     out = tmp_path / "run"
-    p = _analyze(cluster, ddp4_dir, out)
+    blocker = subprocess.Popen([sys.executable, "-c", BLOCKER, cluster.head.address, HEAD_RESOURCE], env=cluster.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    p = None
     try:
+        assert blocker.stdout.readline().strip() == "holding", "the head's CPU was never taken"
+        p = _analyze(cluster, ddp4_dir, out)
         deadline = time.monotonic() + ANALYZE_TIMEOUT_S
         while not cluster.node.running_task():
             assert p.poll() is None, f"the run ended before the second node ran a task: {(out / 'stderr').read_text()}"
@@ -225,11 +249,14 @@ def test_losing_the_second_node_mid_run(cluster, ddp4_dir, reference, tmp_path):
             time.sleep(POLL_S)  # polling a condition, with a deadline
         killed = time.monotonic()
         cluster.node.kill()
+        blocker.kill()  # its job ends: Ray frees the head's CPU for the retried tasks
+        blocker.wait()
         report, stats = _finish(p, out)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        for proc in (p, blocker):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     print(f"second node killed; the run ended {time.monotonic() - killed:.1f} s later")
     assert report == reference  # stdout is the report alone: Ray's notice of the retry went to stderr
     err = (out / "stderr").read_text()
