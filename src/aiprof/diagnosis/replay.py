@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from functools import reduce
+from itertools import compress, islice
+from operator import add
 
 import numpy as np
 
@@ -158,16 +161,32 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
 def _fixed_lists(g: Graph) -> tuple[list, ...]:
     """The graph's arrays no edit changes, as the lists :func:`simulate` indexes, made once per
     graph (it is replayed once per what-if priced); kept with the arrays they were made from, so
-    a graph given new arrays gets new lists. ``o_action``'s list ends with a sentinel -1."""
+    a graph given new arrays gets new lists. ``o_action``'s list ends with a sentinel -1; streams
+    are numbered 0, 1, ... in order of first use (the replay keeps each one's tail in a list)."""
     arrays = (g.a_kind, g.a_wait, g.o_action, g.o_stream, g.o_delay, g.a_coll, g.o_coll)
     hit = g.__dict__.get("_fixed_lists")
     if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
         oact = g.o_action.tolist()
         oact.append(-1)  # a sentinel no action matches: the op loop needs no bound check
-        lists = (g.a_kind.tolist(), g.a_wait.tolist(), oact, g.o_stream.tolist(), g.o_delay.tolist(),
+        dense: dict[int, int] = {}
+        ostream = [dense.setdefault(s, len(dense)) for s in g.o_stream.tolist()]
+        lists = (g.a_kind.tolist(), g.a_wait.tolist(), oact, ostream, g.o_delay.tolist(),
                  g.a_coll.tolist() if g.a_coll is not None else [-1] * g.n_actions,
-                 g.o_coll.tolist() if g.o_coll is not None else [-1] * g.n_ops)
+                 g.o_coll.tolist() if g.o_coll is not None else [-1] * g.n_ops, len(dense))
         hit = g.__dict__["_fixed_lists"] = (arrays, lists)
+    return hit[1]
+
+
+def _action_shape(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per action: how many ops it launches, its first op (0 when none), and whether it is
+    neither a marker nor waits for an op; made once per graph, kept like :func:`_fixed_lists`."""
+    arrays = (g.a_kind, g.a_wait, g.o_action)
+    hit = g.__dict__.get("_action_shape")
+    if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
+        n_of = np.bincount(g.o_action, minlength=g.n_actions)[:g.n_actions] if g.n_ops else np.zeros(g.n_actions, np.int64)
+        first_of = np.minimum(np.searchsorted(g.o_action, np.arange(g.n_actions), side="left"), max(g.n_ops - 1, 0))
+        bulk = (g.a_kind < STEP) & (g.a_wait < 0)
+        hit = g.__dict__["_action_shape"] = (arrays, (n_of, first_of, bulk))
     return hit[1]
 
 
@@ -193,7 +212,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     # and GPU op for every what-if priced, so it takes the larger of two floats as
     # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call.
     gap_l, cost_l, nowait_l = gap.tolist(), cost.tolist(), no_wait.tolist()
-    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll = _fixed_lists(g)
+    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams = _fixed_lists(g)
     dur_l, drop_l, packed_l = dur.tolist(), drop.tolist(), packed.tolist()
     deps = g.o_deps
     lat = g.launch_latency_ns
@@ -209,108 +228,214 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     arrivals: dict[int, float] = {}
     lo = float(g.lo)
     gend = [0.0] * n_op
-    tails: dict[int, float] = {}
+    tails = [-1e30] * n_streams  # each stream's last op's end, by dense stream number
     cursor = prev_start = lo
     gpu_end = lo
     busy = 0.0
     step_t: list[float] = []
     j = 0
-    for i, gap_i, k, cost_i, w in zip(range(n_act), gap_l, kind_l, cost_l, wait_l):
-        start = cursor + gap_i
-        if prev_start > start:
-            start = prev_start
-        if starts is not None:
-            starts.append(start)
-        if trace is not None:
-            trace.a_start.append(start)
-            trace.a_end.append(start)  # set below once the action's end is known
-        if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
-            if k == STEP:
-                step_t.append(start)
-            elif k == END:
-                if start > cursor:
-                    cursor = start
-                break
-            elif k == COLL_START:
-                arrivals[acoll[i]] = start
-            elif k == COLL_END:
-                c = acoll[i]
-                if nowait_l[i]:  # the fix skips this collective
-                    prev_start = start
-                    continue
-                arr = arrivals.get(c, start)
-                latest = (yield c, arr) if c in transfer else arr
-                done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
-                end = done if done > start else start
-                if trace is not None:
-                    trace.a_end[-1] = end
-                    trace.c_latest[c] = latest
+    if trace is None and starts is None:
+        # a what-if priced (the bulk of replays): the loop below less the tests for a trace and
+        # starts, the GPU's busy time and end taken once the loop is done (the same sum, in op
+        # order, and the same maximum)
+        # per action: 1 a launch of one plain op, 0 a host action launching nothing, neither
+        # waiting for an op nor a marker (the bulk of actions: their short paths below), else 2
+        n_of, first_of, bulk = _action_shape(g)
+        code = np.where(bulk & (n_of == 0), 0, 2)
+        if n_op:
+            code[bulk & (n_of == 1) & plain[first_of]] = 1
+        for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code.tolist()):
+            start = cursor + gap_i
+            if prev_start > start:
+                start = prev_start
+            if code_i == 1:
+                s = ostream[j]
+                tail = tails[s]
+                launched = start + lat
+                e = (launched if launched > tail else tail) + odelay[j] + dur_l[j]
+                tails[s] = e
+                gend[j] = e
+                j += 1
+                end = start + cost_i
                 if end > cursor:
                     cursor = end
                 prev_start = start
                 continue
-        while oact[j] == i:
-            if plain_l[j]:  # the general path below, less its tests
+            if code_i == 0:
+                end = start + cost_i
+                if end > cursor:
+                    cursor = end
+                prev_start = start
+                continue
+            k = kind_l[i]
+            if k >= STEP:
+                if k == STEP:
+                    step_t.append(start)
+                elif k == END:
+                    if start > cursor:
+                        cursor = start
+                    break
+                elif k == COLL_START:
+                    arrivals[acoll[i]] = start
+                elif k == COLL_END:
+                    c = acoll[i]
+                    if nowait_l[i]:
+                        prev_start = start
+                        continue
+                    arr = arrivals.get(c, start)
+                    latest = (yield c, arr) if c in transfer else arr
+                    done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
+                    end = done if done > start else start
+                    if end > cursor:
+                        cursor = end
+                    prev_start = start
+                    continue
+            while oact[j] == i:
+                if plain_l[j]:
+                    s = ostream[j]
+                    tail = tails[s]
+                    launched = start + lat
+                    e = (launched if launched > tail else tail) + odelay[j] + dur_l[j]
+                    tails[s] = e
+                    gend[j] = e
+                    j += 1
+                    continue
+                if drop_l[j]:
+                    gend[j] = start
+                    j += 1
+                    continue
                 s = ostream[j]
-                tail = tails.get(s, -1e30)
-                launched = start + lat
-                ready = (launched if launched > tail else tail) + odelay[j]
+                tail = tails[s]
+                if packed_l[j]:
+                    follows = tail + pgap
+                    ready = start if start > follows else follows
+                else:
+                    launched = start + lat
+                    ready = launched if launched > tail else tail
+                    dl = deps.get(j)
+                    if dl:
+                        for d in dl:
+                            e = gend[d]
+                            if e > ready:
+                                ready = e
+                    ready += odelay[j]
+                c = ocoll[j]
+                if c >= 0 and c in transfer:
+                    arrivals[c] = ready
+                    latest = yield c, ready
+                    e = (latest if latest > ready else ready) + transfer[c]
+                else:
+                    e = ready + dur_l[j]
+                tails[s] = e
+                gend[j] = e
+                j += 1
+            end = start + cost_i
+            w = wait_l[i]
+            if w >= 0 and not nowait_l[i] and gend[w] > start:
+                end = gend[w] + cost_i
+            if end > cursor:
+                cursor = end
+            prev_start = start
+        run_l = (~drop).tolist()
+        busy = reduce(add, compress(islice(dur_l, j), run_l), 0.0)
+        gpu_end = max(gpu_end, max(compress(islice(gend, j), run_l), default=gpu_end))
+    else:
+        for i, gap_i, k, cost_i, w in zip(range(n_act), gap_l, kind_l, cost_l, wait_l):
+            start = cursor + gap_i
+            if prev_start > start:
+                start = prev_start
+            if starts is not None:
+                starts.append(start)
+            if trace is not None:
+                trace.a_start.append(start)
+                trace.a_end.append(start)  # set below once the action's end is known
+            if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
+                if k == STEP:
+                    step_t.append(start)
+                elif k == END:
+                    if start > cursor:
+                        cursor = start
+                    break
+                elif k == COLL_START:
+                    arrivals[acoll[i]] = start
+                elif k == COLL_END:
+                    c = acoll[i]
+                    if nowait_l[i]:  # the fix skips this collective
+                        prev_start = start
+                        continue
+                    arr = arrivals.get(c, start)
+                    latest = (yield c, arr) if c in transfer else arr
+                    done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
+                    end = done if done > start else start
+                    if trace is not None:
+                        trace.a_end[-1] = end
+                        trace.c_latest[c] = latest
+                    if end > cursor:
+                        cursor = end
+                    prev_start = start
+                    continue
+            while oact[j] == i:
+                if plain_l[j]:  # the general path below, less its tests
+                    s = ostream[j]
+                    tail = tails[s]
+                    launched = start + lat
+                    ready = (launched if launched > tail else tail) + odelay[j]
+                    if trace is not None:
+                        trace.o_ready.append(ready)
+                    e = ready + dur_l[j]
+                    tails[s] = e
+                    gend[j] = e
+                    busy += dur_l[j]
+                    if e > gpu_end:
+                        gpu_end = e
+                    j += 1
+                    continue
+                if drop_l[j]:
+                    gend[j] = start
+                    if trace is not None:
+                        trace.o_ready.append(start)
+                    j += 1
+                    continue
+                s = ostream[j]
+                tail = tails[s]
+                if packed_l[j]:
+                    follows = tail + pgap
+                    ready = start if start > follows else follows
+                else:
+                    launched = start + lat
+                    ready = launched if launched > tail else tail
+                    dl = deps.get(j)
+                    if dl:
+                        for d in dl:
+                            e = gend[d]
+                            if e > ready:
+                                ready = e
+                    ready += odelay[j]
+                c = ocoll[j]
                 if trace is not None:
                     trace.o_ready.append(ready)
-                e = ready + dur_l[j]
+                if c >= 0 and c in transfer:
+                    arrivals[c] = ready
+                    latest = yield c, ready
+                    if trace is not None:
+                        trace.c_latest[c] = latest
+                    e = (latest if latest > ready else ready) + transfer[c]
+                else:
+                    e = ready + dur_l[j]
                 tails[s] = e
                 gend[j] = e
                 busy += dur_l[j]
                 if e > gpu_end:
                     gpu_end = e
                 j += 1
-                continue
-            if drop_l[j]:
-                gend[j] = start
-                if trace is not None:
-                    trace.o_ready.append(start)
-                j += 1
-                continue
-            s = ostream[j]
-            tail = tails.get(s, -1e30)
-            if packed_l[j]:
-                follows = tail + pgap
-                ready = start if start > follows else follows
-            else:
-                launched = start + lat
-                ready = launched if launched > tail else tail
-                dl = deps.get(j)
-                if dl:
-                    for d in dl:
-                        e = gend[d]
-                        if e > ready:
-                            ready = e
-                ready += odelay[j]
-            c = ocoll[j]
+            end = start + cost_i
+            if w >= 0 and not nowait_l[i] and gend[w] > start:
+                end = gend[w] + cost_i
             if trace is not None:
-                trace.o_ready.append(ready)
-            if c >= 0 and c in transfer:
-                arrivals[c] = ready
-                latest = yield c, ready
-                if trace is not None:
-                    trace.c_latest[c] = latest
-                e = (latest if latest > ready else ready) + transfer[c]
-            else:
-                e = ready + dur_l[j]
-            tails[s] = e
-            gend[j] = e
-            busy += dur_l[j]
-            if e > gpu_end:
-                gpu_end = e
-            j += 1
-        end = start + cost_i
-        if w >= 0 and not nowait_l[i] and gend[w] > start:
-            end = gend[w] + cost_i
-        if trace is not None:
-            trace.a_end[-1] = end
-        if end > cursor:
-            cursor = end
-        prev_start = start
+                trace.a_end[-1] = end
+            if end > cursor:
+                cursor = end
+            prev_start = start
     if op_ends is not None:
         op_ends.extend(gend)
     if trace is not None:
