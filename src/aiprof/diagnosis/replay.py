@@ -158,6 +158,10 @@ def replay(g: Graph, edit: Edit | None = None, release: dict | None = None, star
         return done.value
 
 
+def _floats(values: list) -> np.ndarray:
+    return np.fromiter(values, np.float64, len(values))
+
+
 def _fixed_lists(g: Graph) -> tuple[list, ...]:
     """The graph's arrays no edit changes, as the lists :func:`simulate` indexes, made once per
     graph (it is replayed once per what-if priced); kept with the arrays they were made from, so
@@ -234,17 +238,18 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     busy = 0.0
     step_t: list[float] = []
     j = 0
+    # per action: 1 a launch of one plain op, 0 a host action launching nothing, neither waiting
+    # for an op nor a marker (the bulk of actions: short paths below), else 2 (the general path)
+    n_of, first_of, bulk = _action_shape(g)
+    code = np.where(bulk & (n_of == 0), 0, 2)
+    if n_op:
+        code[bulk & (n_of == 1) & plain[first_of]] = 1
+    code_l = code.tolist()
     if trace is None and starts is None:
         # a what-if priced (the bulk of replays): the loop below less the tests for a trace and
         # starts, the GPU's busy time and end taken once the loop is done (the same sum, in op
         # order, and the same maximum)
-        # per action: 1 a launch of one plain op, 0 a host action launching nothing, neither
-        # waiting for an op nor a marker (the bulk of actions: their short paths below), else 2
-        n_of, first_of, bulk = _action_shape(g)
-        code = np.where(bulk & (n_of == 0), 0, 2)
-        if n_op:
-            code[bulk & (n_of == 1) & plain[first_of]] = 1
-        for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code.tolist()):
+        for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code_l):
             start = cursor + gap_i
             if prev_start > start:
                 start = prev_start
@@ -340,15 +345,48 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
         busy = reduce(add, compress(islice(dur_l, j), run_l), 0.0)
         gpu_end = max(gpu_end, max(compress(islice(gend, j), run_l), default=gpu_end))
     else:
-        for i, gap_i, k, cost_i, w in zip(range(n_act), gap_l, kind_l, cost_l, wait_l):
+        if trace is not None:  # its lists' methods, looked up once
+            t_start, t_end, t_ready, t_ends = trace.a_start.append, trace.a_end.append, trace.o_ready.append, trace.a_end
+        for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code_l):
             start = cursor + gap_i
             if prev_start > start:
                 start = prev_start
             if starts is not None:
                 starts.append(start)
+            if code_i == 1:
+                s = ostream[j]
+                tail = tails[s]
+                launched = start + lat
+                ready = (launched if launched > tail else tail) + odelay[j]
+                e = ready + dur_l[j]
+                tails[s] = e
+                gend[j] = e
+                busy += dur_l[j]
+                if e > gpu_end:
+                    gpu_end = e
+                j += 1
+                end = start + cost_i
+                if trace is not None:
+                    t_start(start)
+                    t_end(end)
+                    t_ready(ready)
+                if end > cursor:
+                    cursor = end
+                prev_start = start
+                continue
+            if code_i == 0:
+                end = start + cost_i
+                if trace is not None:
+                    t_start(start)
+                    t_end(end)
+                if end > cursor:
+                    cursor = end
+                prev_start = start
+                continue
             if trace is not None:
-                trace.a_start.append(start)
-                trace.a_end.append(start)  # set below once the action's end is known
+                t_start(start)
+                t_end(start)  # set below once the action's end is known
+            k, w = kind_l[i], wait_l[i]
             if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
                 if k == STEP:
                     step_t.append(start)
@@ -368,7 +406,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                     done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
                     end = done if done > start else start
                     if trace is not None:
-                        trace.a_end[-1] = end
+                        t_ends[-1] = end
                         trace.c_latest[c] = latest
                     if end > cursor:
                         cursor = end
@@ -381,7 +419,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                     launched = start + lat
                     ready = (launched if launched > tail else tail) + odelay[j]
                     if trace is not None:
-                        trace.o_ready.append(ready)
+                        t_ready(ready)
                     e = ready + dur_l[j]
                     tails[s] = e
                     gend[j] = e
@@ -393,7 +431,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                 if drop_l[j]:
                     gend[j] = start
                     if trace is not None:
-                        trace.o_ready.append(start)
+                        t_ready(start)
                     j += 1
                     continue
                 s = ostream[j]
@@ -413,7 +451,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                     ready += odelay[j]
                 c = ocoll[j]
                 if trace is not None:
-                    trace.o_ready.append(ready)
+                    t_ready(ready)
                 if c >= 0 and c in transfer:
                     arrivals[c] = ready
                     latest = yield c, ready
@@ -432,7 +470,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
             if w >= 0 and not nowait_l[i] and gend[w] > start:
                 end = gend[w] + cost_i
             if trace is not None:
-                trace.a_end[-1] = end
+                t_ends[-1] = end
             if end > cursor:
                 cursor = end
             prev_start = start
@@ -440,8 +478,9 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
         op_ends.extend(gend)
     if trace is not None:
         # arrays: a rank's facts keep their baseline's trace for as long as the report is built
-        trace.a_start, trace.a_end = np.asarray(trace.a_start), np.asarray(trace.a_end)
-        trace.o_ready, trace.o_end = np.asarray(trace.o_ready), np.asarray(gend[:j])
+        # (np.fromiter: the same float64 arrays, made ~2.5x faster than np.asarray's from a list)
+        trace.a_start, trace.a_end = _floats(trace.a_start), _floats(trace.a_end)
+        trace.o_ready, trace.o_end = _floats(trace.o_ready), np.fromiter(gend, np.float64, j)
         trace.effective = {"gap": gap, "cost": cost, "dur": dur, "drop": drop, "packed": packed,
                            "no_wait": no_wait, "packed_gap_ns": pgap, "transfer": transfer}
     total = max(cursor, gpu_end) - lo
