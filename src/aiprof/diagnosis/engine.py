@@ -92,11 +92,14 @@ def replay_window(steps: Steps, breakdown: list[StepBreakdown]) -> slice:
 def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree: HostTree, gaps: Gaps,
                runtime: RuntimeAnalysis, kernels: KernelAnalysis, comm: CommAnalysis, has_gpu: bool,
                host_idle_by_class: dict, profiler: ProfilerCost = DEFAULT,
-               colls: RankCollectives | None = None, offset_ns: float = 0.0) -> RankFacts:
+               colls: RankCollectives | None = None, offset_ns: float = 0.0, settled: bool = False) -> RankFacts:
     """Assemble one rank's facts: the replay graph, deflated by the profiler's cost and scaled to
     the unprofiled step time where the capture knows it, and its baseline replay. With ``colls``
     (job.coupling) the graph waits at each collective for the others' recorded arrivals and is
-    calibrated on its own (a job too large for the joint replay, analysed rank by rank)."""
+    calibrated on its own (a job too large for the joint replay, analysed rank by rank).
+    ``settled``: the caller settles the rank with a partner (job.settle), which fits the
+    deflation and replays the baseline anew: the rank's own fit and baseline replay are skipped
+    (``base`` stays None until then)."""
     sl = replay_window(steps, breakdown)
     g = build_graph(rt, Steps(steps.number[sl], steps.start[sl], steps.end[sl], steps.source), profiler, colls)
     n = max(len(steps), 1)
@@ -109,8 +112,11 @@ def rank_facts(rt: RankTrace, steps: Steps, breakdown: list[StepBreakdown], tree
     outliers = slow_step_mask(completion_us(rt, steps))[sl] if len(steps) else np.zeros(0, dtype=bool)
     if un:
         un = max(un, compute_floor_ns(rt, g) / 1e6)
-    scale = calibrate_host(g, un * 1e6, outliers) if un and g.n_actions else (1.0, 1.0)
-    base = replay(g, trace=Trace())  # traced: the critical path walks back through it
+    if settled:
+        scale, base = (1.0, 1.0), None
+    else:
+        scale = calibrate_host(g, un * 1e6, outliers) if un and g.n_actions else (1.0, 1.0)
+        base = replay(g, trace=Trace())  # traced: the critical path walks back through it
     return RankFacts(rt=rt, steps=steps, breakdown=breakdown, tree=tree, gaps=gaps, graph=g, base=base, runtime=runtime,
                      kernels=kernels, comm=comm, has_gpu=has_gpu, recorded_step_ns=recorded,
                      unprofiled_step_ns=un * 1e6 if un else None, host_scale=scale,

@@ -129,7 +129,8 @@ def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> R
             del _PARTNER[old]
         while len(_PARTNER) >= PARTNER_CACHE_SIZE:  # evicted before the build: the bound holds throughout
             del _PARTNER[next(iter(_PARTNER))]
-        _, f = pipeline.analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns)
+        # settled: _pair settles it with the rank it partners (its own fit and baseline unused)
+        _, f = pipeline.analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns, settled=True)
         hit = (f, f.graph.alpha, f.graph.beta, f.base, f.host_scale)
     _PARTNER[key] = hit
     f, alpha, beta, base, scale = hit
@@ -142,8 +143,11 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
           token: str) -> tuple[object, RankFacts, list[RankFacts], Pricer]:
     """The rank's report and facts, and the pricer: the joint replay of the rank with its
     partner when both are coupled (calibrated together), else the rank's own replay."""
-    rep, f = pipeline.analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns)
-    if partner is None or inp.coupling is None or partner.coupling is None:
+    paired = partner is not None and inp.coupling is not None and partner.coupling is not None
+    # a paired rank is settled below (job.settle fits the deflation and replays the baseline anew,
+    # whatever rank_facts left): rank_facts skips its own
+    rep, f = pipeline.analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns, settled=paired)
+    if not paired:
         return rep, f, [f], Pricer([f], False)
     pair = [f, _partner_facts(partner, entry, top, token)]
     # the job's measured step, not the pair's alone; a rank whose steps were split from the
