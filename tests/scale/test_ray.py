@@ -99,9 +99,6 @@ def test_cli_on_ray_never_reruns_the_callers_main(ddp4_dir, tmp_path):
     steps = ("engine_start_s", "match_s", "compare_s", "assemble_s", "engine_stop_s", "encode_s")
     assert set(st["driver"]) == set(steps) and all(st["driver"][k] > 0 for k in steps)
     assert sum(st["driver"].values()) < st["wall_s"]
-    # the ranks were ingested by aiprof's workers on this machine while Ray started (no Ray node
-    # ran them), and analysed on Ray
-    assert "nodes" not in st["phases"]["ingest"] and sum(st["phases"]["analyse"]["nodes"].values()) == 4
     assert json.loads(prog.read_text())["phases"] == {"starting ray": [1, 1], "ingest": [4, 4], "analyse": [4, 4],
                                                       "stragglers": [1, 1]}
 

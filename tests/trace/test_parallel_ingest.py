@@ -133,17 +133,3 @@ def test_bad_json_in_the_tail_is_located_in_the_file(parallel_trace, tmp_path):
             kineto.read_trace(str(bad), workers=w)
         msgs.append(exc.value.problem)
     assert msgs[0] == msgs[1] and f"(at byte {at:,} of the JSON)" in msgs[0], msgs
-
-
-def test_worker_runs_calls_and_says_what_failed():
-    """mode "call" (the scaled-out ingest while Ray starts): the result of a call by name, the
-    type and message of what it raised, and a lost worker named as such."""
-    with workers.WorkerPool(1, "call", {"AIPROF_TEST_VALUE": "seen"}) as pool:
-        assert pool.call(os.getenv, "AIPROF_TEST_VALUE").result() == "seen"  # the env given
-        with pytest.raises(workers.CallFailed, match="^ValueError: invalid literal"):
-            pool.call(int, "x").result()
-        assert pool.call(pow, 2, 10).result() == 1024  # the worker goes on after a failure
-        (pid,) = _workers()
-        lost = pool.call(os.kill, pid, 9)
-        with pytest.raises(workers.WorkerLost):
-            lost.result()

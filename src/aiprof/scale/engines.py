@@ -56,12 +56,6 @@ RAY_CLIENT_SCHEME = "ray://"
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 # The phase Ray's start is reported as (progress file, bar).
 STARTING = "starting ray"
-# Phases that run on worker processes of this machine while the embedded Ray starts: the first
-# phase has nothing else to overlap Ray's start with (~6 s on 64 cores), and an ingest task needs
-# nothing but its file. The later phases run on Ray, started by then. Measured (docs/scale.md,
-# 1,024 ranks of 29 MB): ~3 s saved with 16 workers on 64 cores; none with 64, where Ray's start
-# (one worker process per CPU) slows by as much beside the ingest.
-WHILE_STARTING = ("ingest",)
 
 
 @dataclass
@@ -416,64 +410,7 @@ class RayEngine:
     def map(self, phase: str, fn: Callable, calls: Sequence[tuple], progress: Progress | None = None,
             nodes: Sequence[str] | None = None) -> Iterator[tuple[int, object]]:
         """Submit every call; yield (index, result) as each completes. ``nodes``: the node each
-        call should prefer (where its rank's store was written), if the cluster has several.
-        A phase of WHILE_STARTING that finds the embedded Ray not started runs on this machine's
-        worker processes while Ray starts (:meth:`_map_while_starting`)."""
-        if not calls:
-            return
-        if phase in WHILE_STARTING and not self._started and not self._address:
-            yield from self._map_while_starting(phase, fn, calls, progress)
-            return
-        yield from self._map(phase, fn, calls, progress, nodes)
-
-    def _map_while_starting(self, phase: str, fn: Callable, calls: Sequence[tuple],
-                            progress: Progress | None) -> Iterator[tuple[int, object]]:
-        """The phase on worker processes of this machine (aiprof's own, trace.workers: one per
-        CPU the embedded Ray gets) while the embedded Ray starts. A call whose worker is lost,
-        or every call when no worker starts, runs on Ray once it is up."""
-        from concurrent.futures import as_completed
-
-        from aiprof.trace.workers import CallFailed, WorkerLost, WorkerPool
-
-        t0 = time.perf_counter()
-        try:
-            pool = WorkerPool(min(len(calls), self._cpus or default_cpus()), "call", {"AIPROF_INGEST_WORKERS": "1"})
-        except WorkerLost:
-            yield from self._map(phase, fn, calls, progress)
-            return
-        lost: list[int] = []
-        done_n = 0
-        with pool:
-            futs = {pool.call(_timed, fn, args): i for i, args in enumerate(calls)}
-            self._start()  # the workers ingest meanwhile
-            for fut in as_completed(futs):
-                i = futs[fut]
-                try:
-                    out, cpu, _, wall = fut.result()
-                except WorkerLost:
-                    lost.append(i)
-                    continue
-                except CallFailed as exc:
-                    raise RuntimeError(f"{phase} task failed: {exc}") from None
-                if isinstance(out, _Failed):
-                    err = AiprofError(out.message)
-                    err.exit_code = out.exit_code
-                    raise err
-                self.stats.add(phase, cpu, "", wall)
-                done_n += 1
-                if progress:
-                    progress(phase, done_n, len(calls))
-                yield i, out
-        self.stats._phase(phase)["wall_s"] += time.perf_counter() - t0
-        self.nodes = {}  # every call ran here: no node to prefer later
-        if lost:
-            shifted = (lambda p, n, _t: progress(p, done_n + n, len(calls))) if progress else None
-            for j, out in self._map(phase, fn, [calls[i] for i in lost], shifted):
-                yield lost[j], out
-            self.nodes = {lost[j]: n for j, n in self.nodes.items()}
-
-    def _map(self, phase: str, fn: Callable, calls: Sequence[tuple], progress: Progress | None = None,
-             nodes: Sequence[str] | None = None) -> Iterator[tuple[int, object]]:
+        call should prefer (where its rank's store was written), if the cluster has several."""
         ray = self.ray
         if not calls:
             return
@@ -583,14 +520,6 @@ def without_ray(n_files: int, cluster: str | None = None) -> str:
     print(f"aiprof: Ray is not installed: analysing {n_files} ranks in-process "
           f"(pip install 'aiprof[scale]' for the parallel engine)", file=sys.stderr)
     return "serial"
-
-
-def default_cpus() -> int:
-    """CPUs this process may use (the embedded Ray's default)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def make(engine: str, address: str | None = None, cpus: int | None = None,

@@ -8,9 +8,6 @@ all. ``fork`` copies a process whose other threads may hold locks. These workers
 length-prefixed frames on their stdin/stdout pipes and exit when their stdin closes, so they
 never outlive the caller. When they cannot be started or answer wrongly, ingest falls back to
 one process (:class:`WorkerLost`).
-
-The same workers also run whole function calls (``mode="call"``, :meth:`WorkerPool.call`): the
-scaled-out analysis ingests ranks on them while its embedded Ray starts (scale/engines.py).
 """
 from __future__ import annotations
 
@@ -24,10 +21,9 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["CallFailed", "WorkerLost", "WorkerPool", "serve"]
+__all__ = ["WorkerLost", "WorkerPool", "serve"]
 
 # A fresh interpreter imports numpy, pyarrow and msgspec; on a loaded 2-core machine that takes
 # seconds. A worker silent for longer is not a Python that runs this module (embedded, frozen).
@@ -35,16 +31,11 @@ START_TIMEOUT_S = 60.0
 _HELLO = b"aiprof-ingest-worker/1"
 _LEN = struct.Struct("<Q")
 _BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-         "from aiprof.trace.workers import serve; serve(sys.argv[2])")
-MODES = ("decode", "call")  # what a worker does with a frame: decode a block of events, or run a call
+         "from aiprof.trace.workers import serve; serve()")
 
 
 class WorkerLost(Exception):
     """A worker could not be started, died, or answered something that is not a frame."""
-
-
-class CallFailed(Exception):
-    """A call run in a worker raised: its type and message (the exception itself may not pickle)."""
 
 
 def _read_exact(f, n: int) -> bytearray:
@@ -74,15 +65,15 @@ def _write_frame(f, *parts) -> None:
 class _Worker:
     """One worker process and the pipes to it; used by one thread at a time."""
 
-    def __init__(self, mode: str = "decode", env: dict[str, str] | None = None) -> None:
+    def __init__(self) -> None:
         exe = sys.executable
         if not exe or getattr(sys, "frozen", False):
             raise WorkerLost("no Python interpreter to start workers with")
         try:
             self.proc = subprocess.Popen(
-                [exe, "-I", "-c", _BOOT, json.dumps([p for p in sys.path if isinstance(p, str)]), mode],
+                [exe, "-I", "-c", _BOOT, json.dumps([p for p in sys.path if isinstance(p, str)])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                start_new_session=False, close_fds=True, env={**os.environ, **env} if env else None)
+                start_new_session=False, close_fds=True)
         except (OSError, ValueError) as exc:
             raise WorkerLost(f"cannot start a worker ({exc})") from None
         self.ready = False
@@ -105,16 +96,15 @@ class _Worker:
             raise WorkerLost("a worker exited while starting") from None
         self.ready = True
 
-    def run(self, *parts: bytes | memoryview) -> object:
-        """Send one frame (a block of events between brackets, or a pickled call); return what
-        the worker made of it."""
+    def run(self, block: memoryview) -> object:
+        """Send one block of events (without brackets); return what the worker made of it."""
         if not self.ready:
             self._hello()
         try:
-            _write_frame(self.proc.stdin, *parts)
+            _write_frame(self.proc.stdin, b"[", block, b"]")
             return pickle.loads(_read_frame(self.proc.stdout))
         except (EOFError, OSError, ValueError, pickle.UnpicklingError, struct.error):
-            raise WorkerLost("a worker died while working") from None
+            raise WorkerLost("a worker died while decoding") from None
 
     def stop(self, kill: bool) -> None:
         p = self.proc
@@ -144,13 +134,11 @@ class WorkerPool:
     manager: leaving it stops the workers, killing them when leaving on an exception.
     """
 
-    def __init__(self, n: int, mode: str = "decode", env: dict[str, str] | None = None) -> None:
-        """``mode``: "decode" (:meth:`submit` blocks of events) or "call" (:meth:`call`
-        functions); ``env``: set in the workers' environment."""
+    def __init__(self, n: int) -> None:
         self.workers: list[_Worker] = []
         try:
             for _ in range(n):
-                self.workers.append(_Worker(mode, env))
+                self.workers.append(_Worker())
         except WorkerLost:
             self.close(kill=True)
             raise
@@ -159,28 +147,15 @@ class WorkerPool:
             self.idle.put(w)
         self.threads = ThreadPoolExecutor(max_workers=n, thread_name_prefix="aiprof-ingest")
 
-    def _run(self, *parts: bytes | memoryview) -> object:
+    def _run(self, block: memoryview) -> object:
         w = self.idle.get()
         try:
-            return w.run(*parts)
+            return w.run(block)
         finally:
             self.idle.put(w)
 
     def submit(self, block: memoryview) -> Future:
-        """Decode one block of events (mode "decode")."""
-        return self.threads.submit(self._run, b"[", block, b"]")
-
-    def call(self, fn: Callable, *args: object) -> Future:
-        """``fn(*args)`` in a worker (mode "call"; ``fn`` importable by name, the arguments and the
-        result picklable). The future raises :class:`WorkerLost` if the worker died, and
-        :class:`CallFailed` if the call raised."""
-        def run() -> object:
-            ok, out = self._run(pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL))
-            if not ok:
-                raise CallFailed(out)
-            return out
-
-        return self.threads.submit(run)
+        return self.threads.submit(self._run, block)
 
     def close(self, kill: bool = False) -> None:
         for w in self.workers:  # first: a thread blocked on a killed worker's pipe gets EOF
@@ -195,9 +170,8 @@ class WorkerPool:
         self.close(kill=exc_type is not None)
 
 
-def serve(mode: str = "decode") -> None:
-    """Worker main loop: decode each block it is sent (or run each call: ``mode`` "call"),
-    answer with the pickled result."""
+def serve() -> None:
+    """Worker main loop: decode each block it is sent, answer with the pickled result."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle; it stops us
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print must not corrupt the frames on stdout
@@ -211,15 +185,8 @@ def serve(mode: str = "decode") -> None:
         except EOFError:
             return
         result: object | None
-        if mode == "call":
-            try:
-                fn, args = pickle.loads(block)
-                result = (True, fn(*args))
-            except Exception as exc:  # noqa: BLE001 - the caller raises it as CallFailed
-                result = (False, f"{type(exc).__name__}: {exc}")
-        else:
-            try:
-                result = decode_block(block)
-            except Exception:  # noqa: BLE001 - the caller re-reads the file in one process and reports
-                result = None
+        try:
+            result = decode_block(block)
+        except Exception:  # noqa: BLE001 - the caller re-reads the file in one process and reports
+            result = None
         _write_frame(out, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
