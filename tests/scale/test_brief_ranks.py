@@ -70,7 +70,7 @@ def test_text_report_shows_the_named_ranks(many):
     render(rep, buf)
     text = buf.getvalue()
     assert f"Rank {straggler} · " in text
-    shown = [r for r in rep["capture"]["detail_ranks"]][:8]
+    shown = rep["capture"]["detail_ranks"][:8]  # the text report's sections: at most 8
     assert all(f"Rank {r} · " in text for r in shown)
     assert f"({N_RANKS - len(shown)} more ranks: the JSON report has every rank's steps" in text
 

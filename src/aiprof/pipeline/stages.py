@@ -95,10 +95,10 @@ def diagnose(facts: list[RankFacts], cross: dict | None = None, columns: dict | 
 
 #: Up to this many ranks the report keeps every rank's tables; above it, those of the ranks its
 #: diagnosis names, at most this many (detail_ranks). It is as many ranks as the in-process joint
-#: replay analyses (diagnosis.job.JOINT_MAX_RANKS) and the text report's tables read at once: past
-#: it, every rank's tables made the report ~50 kB a rank of ~30 MB (79 MB at 1,024 ranks), three
-#: quarters of it tables of ranks nothing points at. The UI computes a brief rank's tables when
-#: they are asked for (server/data.py).
+#: replay analyses (diagnosis.job.JOINT_MAX_RANKS), so a report of the in-process size is whole.
+#: Past it, every rank's tables made the report ~50 kB a rank of ~30 MB (79-83 MB at 1,024 ranks),
+#: three quarters of it tables of ranks nothing points at. The UI computes a brief rank's tables
+#: when they are asked for (server/data.py).
 DETAIL_RANKS = 16
 
 
