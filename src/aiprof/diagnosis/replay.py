@@ -16,9 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
-from functools import reduce
-from itertools import compress, islice
-from operator import add
 
 import numpy as np
 
@@ -245,119 +242,81 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     if n_op:
         code[bulk & (n_of == 1) & plain[first_of]] = 1
     code_l = code.tolist()
-    if trace is None and starts is None:
-        # a what-if priced (the bulk of replays): the loop below less the tests for a trace and
-        # starts, the GPU's busy time and end taken once the loop is done (the same sum, in op
-        # order, and the same maximum)
-        for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code_l):
-            start = cursor + gap_i
-            if prev_start > start:
-                start = prev_start
-            if code_i == 1:
-                s = ostream[j]
-                tail = tails[s]
-                launched = start + lat
-                e = (launched if launched > tail else tail) + odelay[j] + dur_l[j]
-                tails[s] = e
-                gend[j] = e
-                j += 1
-                end = start + cost_i
-                if end > cursor:
-                    cursor = end
-                prev_start = start
-                continue
-            if code_i == 0:
-                end = start + cost_i
-                if end > cursor:
-                    cursor = end
-                prev_start = start
-                continue
-            k = kind_l[i]
-            if k >= STEP:
-                if k == STEP:
-                    step_t.append(start)
-                elif k == END:
-                    if start > cursor:
-                        cursor = start
-                    break
-                elif k == COLL_START:
-                    arrivals[acoll[i]] = start
-                elif k == COLL_END:
-                    c = acoll[i]
-                    if nowait_l[i]:
-                        prev_start = start
-                        continue
-                    arr = arrivals.get(c, start)
-                    latest = (yield c, arr) if c in transfer else arr
-                    done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
-                    end = done if done > start else start
-                    if end > cursor:
-                        cursor = end
-                    prev_start = start
-                    continue
-            while oact[j] == i:
-                if plain_l[j]:
-                    s = ostream[j]
-                    tail = tails[s]
-                    launched = start + lat
-                    e = (launched if launched > tail else tail) + odelay[j] + dur_l[j]
-                    tails[s] = e
-                    gend[j] = e
-                    j += 1
-                    continue
-                if drop_l[j]:
-                    gend[j] = start
-                    j += 1
-                    continue
-                s = ostream[j]
-                tail = tails[s]
-                if packed_l[j]:
-                    follows = tail + pgap
-                    ready = start if start > follows else follows
-                else:
-                    launched = start + lat
-                    ready = launched if launched > tail else tail
-                    dl = deps.get(j)
-                    if dl:
-                        for d in dl:
-                            e = gend[d]
-                            if e > ready:
-                                ready = e
-                    ready += odelay[j]
-                c = ocoll[j]
-                if c >= 0 and c in transfer:
-                    arrivals[c] = ready
-                    latest = yield c, ready
-                    e = (latest if latest > ready else ready) + transfer[c]
-                else:
-                    e = ready + dur_l[j]
-                tails[s] = e
-                gend[j] = e
-                j += 1
+    if trace is not None:  # its lists' methods, looked up once
+        t_start, t_end, t_ready, t_ends = trace.a_start.append, trace.a_end.append, trace.o_ready.append, trace.a_end
+    for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code_l):
+        start = cursor + gap_i
+        if prev_start > start:
+            start = prev_start
+        if starts is not None:
+            starts.append(start)
+        if code_i == 1:
+            s = ostream[j]
+            tail = tails[s]
+            launched = start + lat
+            ready = (launched if launched > tail else tail) + odelay[j]
+            e = ready + dur_l[j]
+            tails[s] = e
+            gend[j] = e
+            busy += dur_l[j]
+            if e > gpu_end:
+                gpu_end = e
+            j += 1
             end = start + cost_i
-            w = wait_l[i]
-            if w >= 0 and not nowait_l[i] and gend[w] > start:
-                end = gend[w] + cost_i
+            if trace is not None:
+                t_start(start)
+                t_end(end)
+                t_ready(ready)
             if end > cursor:
                 cursor = end
             prev_start = start
-        run_l = (~drop).tolist()
-        busy = reduce(add, compress(islice(dur_l, j), run_l), 0.0)
-        gpu_end = max(gpu_end, max(compress(islice(gend, j), run_l), default=gpu_end))
-    else:
-        if trace is not None:  # its lists' methods, looked up once
-            t_start, t_end, t_ready, t_ends = trace.a_start.append, trace.a_end.append, trace.o_ready.append, trace.a_end
-        for i, gap_i, cost_i, code_i in zip(range(n_act), gap_l, cost_l, code_l):
-            start = cursor + gap_i
-            if prev_start > start:
-                start = prev_start
-            if starts is not None:
-                starts.append(start)
-            if code_i == 1:
+            continue
+        if code_i == 0:
+            end = start + cost_i
+            if trace is not None:
+                t_start(start)
+                t_end(end)
+            if end > cursor:
+                cursor = end
+            prev_start = start
+            continue
+        if trace is not None:
+            t_start(start)
+            t_end(start)  # set below once the action's end is known
+        k, w = kind_l[i], wait_l[i]
+        if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
+            if k == STEP:
+                step_t.append(start)
+            elif k == END:
+                if start > cursor:
+                    cursor = start
+                break
+            elif k == COLL_START:
+                arrivals[acoll[i]] = start
+            elif k == COLL_END:
+                c = acoll[i]
+                if nowait_l[i]:  # the fix skips this collective
+                    prev_start = start
+                    continue
+                arr = arrivals.get(c, start)
+                latest = (yield c, arr) if c in transfer else arr
+                done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
+                end = done if done > start else start
+                if trace is not None:
+                    t_ends[-1] = end
+                    trace.c_latest[c] = latest
+                if end > cursor:
+                    cursor = end
+                prev_start = start
+                continue
+        while oact[j] == i:
+            if plain_l[j]:  # the general path below, less its tests
                 s = ostream[j]
                 tail = tails[s]
                 launched = start + lat
                 ready = (launched if launched > tail else tail) + odelay[j]
+                if trace is not None:
+                    t_ready(ready)
                 e = ready + dur_l[j]
                 tails[s] = e
                 gend[j] = e
@@ -365,115 +324,53 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
                 if e > gpu_end:
                     gpu_end = e
                 j += 1
-                end = start + cost_i
-                if trace is not None:
-                    t_start(start)
-                    t_end(end)
-                    t_ready(ready)
-                if end > cursor:
-                    cursor = end
-                prev_start = start
                 continue
-            if code_i == 0:
-                end = start + cost_i
+            if drop_l[j]:
+                gend[j] = start
                 if trace is not None:
-                    t_start(start)
-                    t_end(end)
-                if end > cursor:
-                    cursor = end
-                prev_start = start
-                continue
-            if trace is not None:
-                t_start(start)
-                t_end(start)  # set below once the action's end is known
-            k, w = kind_l[i], wait_l[i]
-            if k >= STEP:  # the kinds below it (other, launch, sync) are the bulk: one test for them
-                if k == STEP:
-                    step_t.append(start)
-                elif k == END:
-                    if start > cursor:
-                        cursor = start
-                    break
-                elif k == COLL_START:
-                    arrivals[acoll[i]] = start
-                elif k == COLL_END:
-                    c = acoll[i]
-                    if nowait_l[i]:  # the fix skips this collective
-                        prev_start = start
-                        continue
-                    arr = arrivals.get(c, start)
-                    latest = (yield c, arr) if c in transfer else arr
-                    done = (latest if latest > arr else arr) + transfer.get(c, 0.0)
-                    end = done if done > start else start
-                    if trace is not None:
-                        t_ends[-1] = end
-                        trace.c_latest[c] = latest
-                    if end > cursor:
-                        cursor = end
-                    prev_start = start
-                    continue
-            while oact[j] == i:
-                if plain_l[j]:  # the general path below, less its tests
-                    s = ostream[j]
-                    tail = tails[s]
-                    launched = start + lat
-                    ready = (launched if launched > tail else tail) + odelay[j]
-                    if trace is not None:
-                        t_ready(ready)
-                    e = ready + dur_l[j]
-                    tails[s] = e
-                    gend[j] = e
-                    busy += dur_l[j]
-                    if e > gpu_end:
-                        gpu_end = e
-                    j += 1
-                    continue
-                if drop_l[j]:
-                    gend[j] = start
-                    if trace is not None:
-                        t_ready(start)
-                    j += 1
-                    continue
-                s = ostream[j]
-                tail = tails[s]
-                if packed_l[j]:
-                    follows = tail + pgap
-                    ready = start if start > follows else follows
-                else:
-                    launched = start + lat
-                    ready = launched if launched > tail else tail
-                    dl = deps.get(j)
-                    if dl:
-                        for d in dl:
-                            e = gend[d]
-                            if e > ready:
-                                ready = e
-                    ready += odelay[j]
-                c = ocoll[j]
-                if trace is not None:
-                    t_ready(ready)
-                if c >= 0 and c in transfer:
-                    arrivals[c] = ready
-                    latest = yield c, ready
-                    if trace is not None:
-                        trace.c_latest[c] = latest
-                    e = (latest if latest > ready else ready) + transfer[c]
-                else:
-                    e = ready + dur_l[j]
-                tails[s] = e
-                gend[j] = e
-                busy += dur_l[j]
-                if e > gpu_end:
-                    gpu_end = e
+                    t_ready(start)
                 j += 1
-            end = start + cost_i
-            if w >= 0 and not nowait_l[i] and gend[w] > start:
-                end = gend[w] + cost_i
+                continue
+            s = ostream[j]
+            tail = tails[s]
+            if packed_l[j]:
+                follows = tail + pgap
+                ready = start if start > follows else follows
+            else:
+                launched = start + lat
+                ready = launched if launched > tail else tail
+                dl = deps.get(j)
+                if dl:
+                    for d in dl:
+                        e = gend[d]
+                        if e > ready:
+                            ready = e
+                ready += odelay[j]
+            c = ocoll[j]
             if trace is not None:
-                t_ends[-1] = end
-            if end > cursor:
-                cursor = end
-            prev_start = start
+                t_ready(ready)
+            if c >= 0 and c in transfer:
+                arrivals[c] = ready
+                latest = yield c, ready
+                if trace is not None:
+                    trace.c_latest[c] = latest
+                e = (latest if latest > ready else ready) + transfer[c]
+            else:
+                e = ready + dur_l[j]
+            tails[s] = e
+            gend[j] = e
+            busy += dur_l[j]
+            if e > gpu_end:
+                gpu_end = e
+            j += 1
+        end = start + cost_i
+        if w >= 0 and not nowait_l[i] and gend[w] > start:
+            end = gend[w] + cost_i
+        if trace is not None:
+            t_ends[-1] = end
+        if end > cursor:
+            cursor = end
+        prev_start = start
     if op_ends is not None:
         op_ends.extend(gend)
     if trace is not None:
