@@ -8,9 +8,12 @@ fully_shard on the root only (one unit, nothing re-gathered), faster than per bl
 (tests/data/v3b/README.txt): a harmless "fault", and quiet."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from aiprof.diagnosis.causes import fsdp_regather
+from aiprof.analysis.hotspots import OP
+from aiprof.diagnosis.causes import fsdp_regather, launch_bound
+from aiprof.diagnosis.graph import LAUNCH
 from aiprof.diagnosis.model import MEDIUM_SHARE
 from aiprof.pipeline import analyse_rank, build_report
 
@@ -98,3 +101,17 @@ def test_launch_bound_on_compiled_fsdp_blocks_asks_for_more_work_per_rank(captur
         assert lb["evidence"]["compiled"] and "Torch-Compiled Region" in lb["remedy"]
         assert "more sequences per rank" in lb["remedy"]
         assert "compile each wrapped module" not in lb["remedy"] and "make_graphed_callables" not in lb["remedy"]
+
+
+def test_launch_bound_leaves_fsdp_hooks_and_collectives_on_the_host(capture):
+    """A graph of the model does not replay FSDP's unshard, reshard and reduce-scatter: the launches
+    they make (the all-gather's copy-in and copy-out, the collectives) stay outside LAUNCH_BOUND's
+    region, and so does their host time. The trace has such launches, so the exclusion is tested."""
+    f = analyse_rank(capture("fsdp_reshard_fault").ranks[0], None, 15)[1]
+    fsdp = f.under(f.node_mask(lambda s: s.startswith(("FSDP::", "fsdp::", "c10d::", "nccl:"))))
+    launches = f.actions_in(fsdp) & (f.graph.a_kind == LAUNCH)
+    assert launches.sum() >= 2 * BLOCKS * STEPS  # each block's all-gather copy-in and copy-out, at least
+    e, acts, region, _ = launch_bound.graph_fix(f, launch_bound.CODE, np.zeros(len(f.tree), bool))
+    assert not (acts & launches).any() and not (region & fsdp).any()
+    assert not (e.cost_remove[launches] > 0).any() and not (e.gap_remove[launches] > 0).any()
+    assert acts.sum() > 0 and (f.tree.kind[region] == OP).any()  # the model's own ops are in it

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from aiprof.analysis.kernels import kernel_family
-from aiprof.pipeline import analyse_rank as _analyse_rank, build_report
 from aiprof.diagnosis.causes import idle_sms
+from aiprof.pipeline import analyse_rank as _analyse_rank
+from aiprof.pipeline import build_report
 from aiprof.trace.store import open_capture
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "diagnosis"
@@ -157,7 +158,7 @@ def test_a_python_loop_of_small_reductions_is_one_place_with_the_batching_remedy
     # in the full diagnosis the loop is HOST_SYNC's (its region): one cause for those kernels
     rep = reports("item_per_param")
     assert not [x for x in rep["causes"] if x["code"] == "SM_ARRAY_IDLE" and x["place"]["kind"] == "python"]
-    assert [x["code"] for x in rep["causes"][:2]] == ["LAUNCH_BOUND", "HOST_SYNC"]  # validate.py's failing row
+    assert rep["causes"][0]["code"] == "HOST_SYNC"
 
 
 def test_families_the_counters_decide_are_left_to_them(facts):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from aiprof.report import json_report
+from aiprof.report.text import ALONE_SHOWN_SHARE
 from tests.ui.conftest import open_page
 
 
@@ -59,6 +60,16 @@ def _report(served) -> dict:
     return json.loads(json_report.dumps(served.report))
 
 
+def _marginal(sv: dict) -> str:
+    """The note beside a saving marginal to other fixes that differs from the stand-alone one by
+    ALONE_SHOWN_SHARE of the step (the text report's rule), in the UI's number format."""
+    before = list(dict.fromkeys(sv.get("marginal_to") or []))
+    alone, step = sv.get("alone_us"), sv.get("baseline_step_us") or 0.0
+    if alone is None or not before or step <= 0 or abs(alone - sv["per_step_us"]) < ALONE_SHOWN_SHARE * step:
+        return ""
+    return f"(once {', '.join(before)} {'is' if len(before) == 1 else 'are'} fixed; {us(alone)} alone)"
+
+
 def _check_causes(page, rep: dict, rank: int) -> None:
     """The causes panel shows the rank's causes (its own, job-wide ones, and the straggler's cause
     it waits for) in the report's order, with the report's savings; its symptoms and orphans."""
@@ -72,6 +83,10 @@ def _check_causes(page, rep: dict, rank: int) -> None:
     texts = page.eval_on_selector_all("#causes .cause .impact", "els => els.map(e => e.innerText)")
     assert texts == [f"saves {us(c['saving']['per_step_us'])} per step · {pct(100 * c['saving']['share'])} of the step"
                      for c in want]
+    # a saving marginal to other fixes that differs from the stand-alone one: both, as the text says
+    notes = page.eval_on_selector_all("#causes .cause .f-head", "els => els.map(e => e.querySelector('.marginal')"
+                                      " ? e.querySelector('.marginal').innerText : '')")
+    assert notes == [_marginal(c["saving"]) for c in want]
     n_steps = len(next(r for r in rep["ranks"] if r["rank"] == rank)["steps"])
     items = page.eval_on_selector_all("#causes .cause .f-symptoms li", "els => els.map(e => e.innerText)")
     assert items == [f"explains {us(s['explained_us'] / n_steps)} per step of: {s['title']}"
@@ -130,6 +145,9 @@ def _check_overview(page, served, rank: int) -> None:
 
 def test_gpt2_dashboard_numbers_are_the_reports(page, gpt2_app):
     _check_overview(page, gpt2_app, 0)
+    # its LAUNCH_BOUND saves more once the specific causes are fixed than alone: the note is shown
+    assert "LAUNCH_BOUND" in [c["code"] for c in _report(gpt2_app)["causes"] if _marginal(c["saving"])]
+    assert page.locator("#causes .cause[data-code=LAUNCH_BOUND] .marginal").count() == 1
     # the GPT-2 capture has FLOPs estimated from shapes: MFU is a number, and says how it was found
     assert "estimated from shapes" in page.inner_text("#kpi-mfu-note")
     open_page(page, gpt2_app.url, "memory")

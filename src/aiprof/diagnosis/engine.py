@@ -227,6 +227,18 @@ class Pricer:
         self._set(f, c, after - before, after, _diff(after_steps, before_steps), [e.label for e in given])
         c.saving["alone_us"], c.saving["alone_share"] = c.saving["per_step_us"], c.saving["share"]
 
+    def bound_alone(self, f: RankFacts, c: Cause) -> None:
+        """A generic cause is priced once the specific ones are fixed (:meth:`price` with
+        ``given``). Where its fix saves less on the job as it is, it counts on those fixes (CUDA
+        graphs gain more once per-tensor reads stop draining the GPU's queue): its stand-alone
+        figure is then what it saves as the job is."""
+        if c.edit is None or not c.saving.get("marginal_to"):
+            return
+        as_is, _ = self.saved_ns(f, [c.edit])
+        if as_is / NS_PER_US < c.saving["alone_us"]:
+            step = self.step_ns(f)
+            c.saving["alone_us"], c.saving["alone_share"] = as_is / NS_PER_US, as_is / step if step > 0 else 0.0
+
     def price_jointly(self, f: RankFacts, ordered: list[Cause]) -> None:
         """Price the rank's causes together, in ``ordered``'s order: each one's saving becomes
         its marginal saving once the fixes before it are made (``marginal_to``), so the savings
@@ -311,6 +323,8 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = Fa
             # a generic remedy is priced once the specific causes are fixed: CUDA graphs would
             # also hide an unfused optimizer's launches, but fusing it is the fix for that
             pricer.price(f, c, [s.edit for s in found if s.edit is not None and s.rank == f.rank] if det.generic else None)
+            if det.generic:
+                pricer.bound_alone(f, c)
             found.append(c)
             if det.generic:
                 generic.append(c)
@@ -479,8 +493,11 @@ def _replay_confirms(s: Symptom, path: dict | None) -> bool:
 def _rank_key(c: Cause) -> float:
     """Causes are ranked by what their fix saves per step over the replayed window: the window's
     total divided by its steps, so a stall in one step counts whole (its total), not as a share
-    of the step it happened in."""
-    return -c.saving.get("per_step_us", 0.0)
+    of the step it happened in. A fix that saves more once others are made (its marginal saving
+    above what it saves alone) ranks by what it saves alone: it is not the first change to make."""
+    sv = c.saving
+    per = sv.get("per_step_us", 0.0)
+    return -min(per, sv.get("alone_us", per))
 
 
 def verdict(causes: list[dict], symptoms: list[dict]) -> dict:

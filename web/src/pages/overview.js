@@ -49,6 +49,17 @@ function hbar(el, name, t, value, fmt, color) {
 
 // Causes ranked by what fixing them saves (per step and as a share of the unprofiled step), each
 // with its place, remedy and the symptoms it explains; then the symptoms no cause explains.
+// The text report's rule (report/text.py _marginal, ALONE_SHOWN_SHARE): a saving marginal to other
+// fixes that differs from what the fix saves alone by >= 1 % of the step names those fixes and
+// the stand-alone figure (a cause that pays more once others are fixed ranks by the latter).
+const ALONE_SHOWN_SHARE = 0.01;
+function marginalNote(sv) {
+  const before = [...new Set(sv.marginal_to || [])];
+  if (sv.alone_us == null || !before.length || !(sv.baseline_step_us > 0)) return '';
+  if (Math.abs(sv.alone_us - sv.per_step_us) < ALONE_SHOWN_SHARE * sv.baseline_step_us) return '';
+  return `once ${before.join(', ')} ${before.length === 1 ? 'is' : 'are'} fixed; ${us(sv.alone_us)} alone`;
+}
+
 function causesPanel(d) {
   const b = d.baseline || {};
   const basis = b.unprofiled_step_us
@@ -63,7 +74,7 @@ function causesPanel(d) {
     ${d.causes.map((c) => `<div class="finding cause ${SEV[c.severity] || ''}" data-code="${esc(c.code)}">
       <div class="f-head"><span class="sev">${esc(c.severity)}</span> <code>${esc(c.code)}</code>
         ${c.rank == null ? '<span class="tag">job</span>' : `<span class="tag">rank ${c.rank}</span>`}
-        <span class="impact" data-saving-us="${c.saving.per_step_us}">saves ${us(c.saving.per_step_us)} per step · ${pct(100 * c.saving.share)} of the step</span></div>
+        <span class="impact" data-saving-us="${c.saving.per_step_us}">saves ${us(c.saving.per_step_us)} per step · ${pct(100 * c.saving.share)} of the step</span>${marginalNote(c.saving) ? ` <span class="marginal">(${esc(marginalNote(c.saving))})</span>` : ''}</div>
       <div class="f-title">${esc(c.title)}</div>
       ${c.place && (c.place.site || c.place.name) ? `<div class="f-where">where: <code>${esc(short(c.place.site || c.place.name, 160))}</code>${c.place.steps && c.place.steps.length ? ` · steps ${c.place.steps.join(', ')}` : ''}</div>` : ''}
       <div class="f-why">why: ${esc(c.mechanism)}</div>

@@ -9,6 +9,11 @@ drains the queue over and over.
 Evidence: blocking calls grouped by the user's line that made them, with their count per step.
 Fix priced: per-tensor reads become one (the values stacked on the GPU, copied once); a read
 per step no longer blocks (kept on the GPU, or copied asynchronously and read later).
+
+Place: a per-tensor group owns its loop, the host work from the first read of a step to the last
+(the ops that compute each value between the reads). While the reads are in it no CUDA graph can
+capture that loop (a capture may not synchronize), so the generic launch remedy leaves it here:
+batching the values is the change that makes it fast, and its remedy names that change.
 """
 from __future__ import annotations
 
@@ -39,6 +44,28 @@ def _read_span(f: RankFacts, node: int) -> tuple[int, int] | None:
                 break
             span = (int(f.tree.start[n]), int(f.tree.end[n]))
     return span
+
+
+def _read_loop(f: RankFacts, read_nodes: np.ndarray) -> np.ndarray:
+    """Node mask: the host work of a per-tensor group's loop in each step, on the thread that
+    reads. It spans from one read interval before the step's first read (the ops computing the
+    first value) to the end of its last read; a read interval is the median time between
+    consecutive reads of the group in a step."""
+    tree = f.tree
+    out = np.zeros(len(tree), dtype=bool)
+    if not len(read_nodes):
+        return out
+    starts, ends = tree.start[read_nodes], tree.end[read_nodes]
+    step = f.steps.index_of(starts)
+    tid = tree.tid[read_nodes[0]]
+    for s in np.unique(step):
+        on = np.sort(starts[step == s])
+        if len(on) < 2:
+            continue
+        interval = float(np.median(np.diff(on)))
+        lo, hi = on[0] - interval, ends[step == s].max()
+        out |= (tree.tid == tid) & (tree.start >= lo) & (tree.end <= hi)
+    return out
 
 
 def _remove_read_host_time(f: RankFacts, drop: np.ndarray, e) -> None:
@@ -86,6 +113,7 @@ def detect(f: RankFacts) -> list[Cause]:
         an = f.action_nodes()[g.o_action[hit]]
         h2d_ops = set(f.tree.nearest(an[an >= 0], OP).tolist()) - {-1}
     groups: dict[tuple[str, str], list[int]] = {}
+    read_ops: dict[tuple[str, str], set[int]] = {}  # the read ops of each group (a read may wait twice)
     stacks: dict[tuple[str, str], int] = {}
     explicit_keys: set[tuple[str, str]] = set()  # a synchronize the script calls, not a read
     for k, (a, n, o) in enumerate(zip(waits, nodes, ops)):
@@ -108,6 +136,7 @@ def detect(f: RankFacts) -> list[Cause]:
             continue
         key = (site, op or call)
         groups.setdefault(key, []).append(int(a))
+        read_ops.setdefault(key, set()).add(int(o) if o >= 0 else -1 - int(a))
         stacks.setdefault(key, int(n))
         if explicit and not (op and is_scalar_read(op)):
             explicit_keys.add(key)
@@ -115,7 +144,7 @@ def detect(f: RankFacts) -> list[Cause]:
     per = max(len(f.steps), 1)
     for (site, what), acts in groups.items():
         acts_a = np.array(acts)
-        calls_per_step = len(acts_a) / per
+        calls_per_step = len(read_ops[(site, what)]) / per
         e = f.edit(CODE)
         if calls_per_step >= PER_TENSOR_MIN:
             # one copy per step remains: keep the last read of each step
@@ -149,6 +178,8 @@ def detect(f: RankFacts) -> list[Cause]:
         op_nodes = f.tree.nearest(f.action_nodes()[acts_a], OP)
         if (op_nodes >= 0).any():
             region |= f.under(np.isin(np.arange(len(f.tree)), op_nodes[op_nodes >= 0]))
+        if pattern == "per-tensor":
+            region |= f.under(_read_loop(f, np.unique(np.where(op_nodes >= 0, op_nodes, f.action_nodes()[acts_a]))))
         wait_ns = float(np.clip(g.o_end[g.a_wait[acts_a]] - g.a_ts[acts_a], 0, None).sum())
         label = what.replace("aten::_local_scalar_dense", ".item()").replace("aten::item", ".item()")
         explicit = (site, what) in explicit_keys
