@@ -448,6 +448,35 @@ def healthy_gpt2():
     return make, None, "healthy: bf16 autocast, fused AdamW, data on the GPU"
 
 
+def graphed_gpt2():
+    """The healthy GPT-2 job (healthy_gpt2) against the same job with its forward and backward
+    replayed from CUDA graphs (torch.cuda.make_graphed_callables of a module computing the loss;
+    autocast without its cache, as graph capture requires; the fused optimizer stays eager): what
+    LAUNCH_BOUND's remedy saves on it, its host launches gone. Its saving is what the launches
+    cost on this machine's host: the control that says whether a LAUNCH_BOUND on this job is real."""
+    class Loss(nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                return self.model(x, labels=x).loss
+
+    def make(fault):
+        model, opt, x = base_job()
+        if fault:
+            return lambda i: train_step(model, opt, x)
+        loss_fn = torch.cuda.make_graphed_callables(Loss(model), (x,), num_warmup_iters=3)
+
+        def step(i):
+            loss_fn(x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    return make, "LAUNCH_BOUND", "the forward and backward replayed from CUDA graphs (make_graphed_callables)"
+
+
 def gelu_new():
     """transformers' GPT-2 with its default "gelu_new" activation, a GELU written out in eight
     elementwise ops (the healthy_gpt2 job). Fix: "gelu_pytorch_tanh", the same function as one
@@ -493,6 +522,7 @@ PAIRS = {
     "underfilled": underfilled,
     "healthy_gpt2": healthy_gpt2,
     "gelu_new": gelu_new,
+    "graphed_gpt2": graphed_gpt2,
     "healthy_compiled": healthy_compiled,
 }
 HEALTHY = ("healthy_gpt2", "healthy_compiled")

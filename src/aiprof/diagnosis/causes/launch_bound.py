@@ -21,7 +21,7 @@ from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.diagnosis.causes.common import idle_claim, ms
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.graph import LAUNCH
+from aiprof.diagnosis.graph import LAUNCH, is_graph_launch
 from aiprof.diagnosis.model import Cause, Place
 from aiprof.trace import classify
 
@@ -29,10 +29,9 @@ CODE = "LAUNCH_BOUND"
 # Spacing of consecutive kernels replayed from a CUDA graph: 0.26 µs median measured on the lent
 # H100 (2,000 one-element kernels in a graph, bench/diagnosis/gpu_pairs.py calibration).
 GRAPH_KERNEL_GAP_NS = 260.0
-# A trace with these calls already replays CUDA graphs (torch.compile "reduce-overhead", or the
-# job's own torch.cuda.graphs): the remedy then names the launches left outside the graphs ...
-GRAPH_LAUNCHES = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
-# ... by their ops, the largest this many.
+# A trace with graph launches (graph.is_graph_launch) already replays CUDA graphs (torch.compile
+# "reduce-overhead", or the job's own torch.cuda.graphs): the remedy then names the launches left
+# outside the graphs by their ops, the largest this many.
 OUTSIDE_OPS_NAMED = 4
 # Frames that a graph capture replaces: torch's module machinery and the model's forward code.
 _GRAPHABLE_FRAMES = ("nn.Module:", "torch/nn/", "transformers/models/", "torch/_tensor.py", "torch/functional.py")
@@ -64,7 +63,9 @@ def graph_fix(f: RankFacts, code: str, claimed: np.ndarray, within: np.ndarray |
     region = f.under(graphable) & ~claimed
     if within is not None:
         region &= within
-    acts = f.actions_in(region) & (g.a_kind == LAUNCH) & (g.a_wait < 0)
+    # a graph launch already replays its ops from a graph, ordered by the graph's edges: not packed again
+    replays = np.array([is_graph_launch(n) for n in g.a_name] + [False], dtype=bool)[g.a_code]
+    acts = f.actions_in(region) & (g.a_kind == LAUNCH) & (g.a_wait < 0) & ~replays
     if actions is not None:
         acts &= actions
     if not acts.any():
@@ -79,10 +80,6 @@ def graph_fix(f: RankFacts, code: str, claimed: np.ndarray, within: np.ndarray |
     if not claims:
         return None
     return e, acts, region, claims
-
-
-def _base(name: str) -> str:
-    return name.split("_v", 1)[0] if name.startswith("cu") else name
 
 
 def _outside_ops(f: RankFacts, acts: np.ndarray) -> list[tuple[str, int]]:
@@ -112,7 +109,7 @@ def detect(f: RankFacts) -> list[Cause]:
     n_launch = int(acts.sum())
     kd = g.o_dur[acts[g.o_action]]
     compiled = any(s.startswith(("Torch-Compiled Region", "CompiledFunction")) for s in f.tree.labels)
-    graphs = any(_base(n) in GRAPH_LAUNCHES for n in g.a_name)
+    graphs = any(is_graph_launch(n) for n in g.a_name)
     outside = _outside_ops(f, acts)
     if graphs:
         # the job already replays CUDA graphs: what is left are the launches outside them
