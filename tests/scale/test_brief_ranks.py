@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from aiprof.analysis.report import DETAIL_FIELDS, is_brief
+from aiprof.diagnosis.job import JOINT_MAX_RANKS
 from aiprof.pipeline import DETAIL_RANKS, build_report
 from aiprof.pipeline.stages import detail_ranks
 from aiprof.report.text import render
@@ -101,3 +102,24 @@ def test_ui_and_api_read_a_brief_rank(many):
     assert typed.ranks[r].brief and typed.ranks[r].top_kernels is None and not typed.ranks[0].brief
     assert typed.to_dict() == rep
     assert asdict(typed)["ranks"][r]["hotspots"] is None
+
+
+def test_in_process_reports_of_many_ranks_are_the_job_paths(many):
+    """Above JOINT_MAX_RANKS the joint replay does not run: pipeline.build_report then priced every
+    rank alone and left the straggler unpriced ("Nothing to fix" on a 64-rank job whose straggler
+    costs half its step on the Ray path). `aiprof analyze --engine local`, the UI and the Python
+    API make the report the Ray path makes (scale.job_report.capture_report)."""
+    from aiprof.api.capture import open as api_open
+    from aiprof.scale.job_report import capture_report
+    from aiprof.server.data import CaptureData
+
+    files, straggler, rep = many
+    assert N_RANKS > JOINT_MAX_RANKS
+    top = rep["causes"][0]
+    assert top["code"] == "STRAGGLER" and top["rank"] == straggler
+    got = capture_report(open_capture(files))
+    assert got["causes"] == rep["causes"] and got["ranks"] == rep["ranks"] and got["verdict"] == rep["verdict"]
+    # every rank's tables where the caller asks for them (the UI's and the API's report)
+    ui = CaptureData(open_capture(files)).report()
+    assert ui["causes"] == rep["causes"] and not any(is_brief(r) for r in ui["ranks"])
+    assert api_open(files).report().causes[0].code == "STRAGGLER"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Union
 from aiprof.analysis.kernels import kernel_stats
 from aiprof.api.frame import Frame, arrow_rows, arrow_table
 from aiprof.api.report import Report, Step
-from aiprof.pipeline import build_report
+from aiprof.scale.job_report import capture_report
 from aiprof.trace import store
 from aiprof.trace.builder import TABLES
 
@@ -139,7 +139,7 @@ class Capture:
         once. ``report().to_dict()`` is the JSON report; in a notebook it shows its causes."""
         if self._report is None:
             # every rank's tables, however many ranks: the frames below read them all
-            self._report = Report.from_dict(build_report(self._raw, self._entry, self._top, detail=None))
+            self._report = Report.from_dict(capture_report(self._raw, self._entry, self._top, detail=None))
         return self._report
 
     # ------------------------------------------------------------------ HolisticTraceAnalysis counterparts

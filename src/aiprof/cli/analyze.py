@@ -13,9 +13,9 @@ import time
 from aiprof.cli import gates
 from aiprof.cli.inputs import add_capture_option
 from aiprof.errors import AiprofError
-from aiprof.pipeline import build_report
 from aiprof.report import json_report, text
 from aiprof.scale import engines
+from aiprof.scale.job_report import capture_report
 from aiprof.trace.store import find_trace_files, open_capture, progress_wanted
 
 
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="re-parse and re-analyse: ignore the stores and per-rank results of earlier runs")
     add_capture_option(p)
     p.add_argument("--engine", choices=engines.ENGINES, default="auto",
-                   help=f"where the ranks are analysed: local (this process), ray (rank by rank on Ray), "
+                   help=f"where the ranks are analysed: local (this process; the same report), ray (rank by rank on Ray), "
                         f"auto (Ray from {engines.RAY_MIN_RANKS} ranks or with --cluster; default)")
     p.add_argument("--cluster", metavar="ADDRESS", help="analyse on this Ray cluster (ray://HOST:PORT; "
                                                        "default: $RAY_ADDRESS, else a local Ray that aiprof starts)")
@@ -153,10 +153,10 @@ def run(args: argparse.Namespace) -> int:
             phase = f"analyse {len(cap.ranks)} rank(s)"
             with bar:
                 update(phase, 0, 1)
-                report = build_report(cap, entry=args.entry, top=args.top)
+                report = capture_report(cap, entry=args.entry, top=args.top, use_cache=not args.no_cache)
                 update(phase, 1, 1)
         else:
-            report = build_report(cap, entry=args.entry, top=args.top)
+            report = capture_report(cap, entry=args.entry, top=args.top, use_cache=not args.no_cache)
         if pfile:
             pfile("analyse", 1, 1)
     else:

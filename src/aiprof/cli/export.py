@@ -36,10 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _marks(cap, args: argparse.Namespace):
     if args.no_findings:
         return None
-    from aiprof.pipeline import build_report
     from aiprof.export.marks import marks_from_report
+    from aiprof.scale.job_report import capture_report
 
-    return marks_from_report(build_report(cap))
+    return marks_from_report(capture_report(cap))
 
 
 def run(args: argparse.Namespace) -> int:

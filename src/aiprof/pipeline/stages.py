@@ -142,7 +142,9 @@ def assemble(world_size: int, ranks: list[dict], sources: list[str], cross: dict
 
 
 def build_report(cap: Capture, entry: str | None = None, top: int = 15, detail: int | None = DETAIL_RANKS) -> dict:
-    """The full report of a capture as a JSON-ready dict, every stage in this process.
+    """The full report of a capture as a JSON-ready dict, every stage in this process, the ranks
+    priced together by the joint replay up to JOINT_MAX_RANKS ranks (above it, uncoupled: a
+    straggler goes unpriced; scale.job_report.capture_report makes the Ray path's report there).
     ``detail``: see :func:`assemble` (None: every rank's tables, whatever the ranks)."""
     pairs = [analyse_rank(rt, entry, top) for rt in cap.ranks]
     ranks = [p[0] for p in pairs]

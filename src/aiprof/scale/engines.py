@@ -35,7 +35,8 @@ CONNECT_TIMEOUT_S = 5.0
 # Each task is one rank: one CPU. Its ingest runs in the task's own process (no worker pool
 # per task: the engine already runs one task per CPU).
 TASK_CPUS = 1
-# auto: Ray from RAY_MIN_RANKS ranks; local: this process (the joint replay); ray: Ray always.
+# auto: Ray from RAY_MIN_RANKS ranks; local: this process (the joint replay up to JOINT_MAX_RANKS
+# ranks, then the per-rank path on a SerialEngine: job_report.capture_report); ray: Ray always.
 ENGINES = ("auto", "local", "ray")
 # Ray's token authentication (Ray >= 2.59): the variables a Ray client reads, and where its token
 # loader (C++ AuthenticationTokenLoader) looks, in this order: $RAY_AUTH_TOKEN, the file

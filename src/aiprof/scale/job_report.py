@@ -31,11 +31,12 @@ from aiprof.analysis.ranks import align_and_arrivals, cross_rank_of
 from aiprof.analysis.report import RankReport
 from aiprof.diagnosis.causes import experimental_asked
 from aiprof.diagnosis.engine import assemble
-from aiprof.diagnosis.job import coupling, unprofiled_target_ns
+from aiprof.diagnosis.job import JOINT_MAX_RANKS, coupling, unprofiled_target_ns
 from aiprof.errors import TraceError
 from aiprof.scale import tasks
 from aiprof.scale.engines import Progress, RayEngine, SerialEngine
 from aiprof.scale.results import Call, run_phase
+from aiprof.trace.store import Capture
 
 
 def _rank_view(d: dict) -> RankReport:
@@ -49,12 +50,13 @@ def _comm_us(d: dict) -> float:
 
 def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, entry: str | None = None,
                      top: int = 15, use_cache: bool = True, progress: Progress | None = None,
-                     timings: dict[str, float] | None = None, reuse: bool = False, keep: bool = False) -> dict:
+                     timings: dict[str, float] | None = None, reuse: bool = False, keep: bool = False,
+                     detail: int | None = pipeline.DETAIL_RANKS) -> dict:
     """The report (schema aiprof.report/2) of the ranks in ``files``, analysed on ``engine``.
     ``timings``: filled with the driver's own steps' wall seconds (match, compare, assemble).
     ``reuse``: read each task's result kept by an earlier run where its inputs and the code are
     unchanged (scale.results); ``keep``: keep the results computed (`aiprof analyze` keeps them
-    always and reads them unless --no-cache)."""
+    always and reads them unless --no-cache). ``detail``: see :func:`pipeline.assemble`."""
     clock = timings if timings is not None else {}
     reuse = reuse and use_cache
     # 1. ingest (a rank's summary, and each later result, is kept beside its store: reused while
@@ -148,9 +150,23 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     symptoms += [s for _, ss in sorted(straggler_s, key=lambda t: t[0]) for s in ss]
     # 6. assemble
     report = pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross,
-                               assemble(causes, symptoms, [r.baseline for r in res]))
+                               assemble(causes, symptoms, [r.baseline for r in res]), detail)
     clock["assemble_s"] = time.perf_counter() - t
     return report
+
+
+def capture_report(cap: Capture, entry: str | None = None, top: int = 15, detail: int | None = pipeline.DETAIL_RANKS,
+                   use_cache: bool = True) -> dict:
+    """The report of an opened capture, in this process, as `aiprof analyze` makes it: up to
+    JOINT_MAX_RANKS ranks the joint replay (:func:`pipeline.build_report`), above it the per-rank
+    path Ray runs (each rank priced with its partner, :func:`build_job_report`), here on a
+    :class:`SerialEngine`. pipeline.build_report does not couple more ranks than that: on a
+    64-rank job it priced them one by one, and the straggler that costs 48.9 % of the step (the
+    Ray path's first cause) went unpriced, the report saying "Nothing to fix"."""
+    if len(cap.ranks) <= JOINT_MAX_RANKS:
+        return pipeline.build_report(cap, entry, top, detail)
+    with SerialEngine() as eng:
+        return build_job_report([r.source for r in cap.ranks], eng, entry, top, use_cache, detail=detail)
 
 
 def _call(args: tuple, token: str, asked: frozenset[str], sources: list[str]) -> Call:

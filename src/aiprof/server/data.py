@@ -21,8 +21,8 @@ from aiprof.analysis.report import is_brief, rank_section
 from aiprof.analysis.steps import find_steps
 from aiprof.analysis.steps import window as steps_window
 from aiprof.errors import AiprofError
-from aiprof.pipeline import build_report
 from aiprof.protocol import COLUMN_UNITS
+from aiprof.scale.job_report import capture_report
 from aiprof.trace.store import Capture, RankTrace
 
 MAX_ROWS = 5000  # rows a table endpoint returns at most
@@ -80,7 +80,7 @@ class CaptureData:
 
     def report(self) -> dict:
         # every rank's tables: built here, they cost nothing more to keep
-        return self._once("report", lambda: build_report(self.capture, entry=self.entry, detail=None))
+        return self._once("report", lambda: capture_report(self.capture, entry=self.entry, detail=None))
 
     def rank_report(self, r: int) -> dict:
         for rr in self.report()["ranks"]:
