@@ -35,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="re-parse and re-analyse: ignore the stores and per-rank results of earlier runs")
     add_capture_option(p)
     p.add_argument("--engine", choices=engines.ENGINES, default="auto",
-                   help=f"where the ranks are analysed: local (this process; the same report), ray (rank by rank on Ray), "
+                   help=f"where the ranks are analysed: local (this process; the same report), "
+                        f"ray (rank by rank on Ray), "
                         f"auto (Ray from {engines.RAY_MIN_RANKS} ranks or with --cluster; default)")
     p.add_argument("--cluster", metavar="ADDRESS", help="analyse on this Ray cluster (ray://HOST:PORT; "
                                                        "default: $RAY_ADDRESS, else a local Ray that aiprof starts)")
@@ -153,10 +154,10 @@ def run(args: argparse.Namespace) -> int:
             phase = f"analyse {len(cap.ranks)} rank(s)"
             with bar:
                 update(phase, 0, 1)
-                report = capture_report(cap, entry=args.entry, top=args.top, use_cache=not args.no_cache)
+                report = capture_report(cap, entry=args.entry, top=args.top)
                 update(phase, 1, 1)
         else:
-            report = capture_report(cap, entry=args.entry, top=args.top, use_cache=not args.no_cache)
+            report = capture_report(cap, entry=args.entry, top=args.top)
         if pfile:
             pfile("analyse", 1, 1)
     else:

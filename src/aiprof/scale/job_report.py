@@ -155,18 +155,19 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     return report
 
 
-def capture_report(cap: Capture, entry: str | None = None, top: int = 15, detail: int | None = pipeline.DETAIL_RANKS,
-                   use_cache: bool = True) -> dict:
+def capture_report(cap: Capture, entry: str | None = None, top: int = 15,
+                   detail: int | None = pipeline.DETAIL_RANKS) -> dict:
     """The report of an opened capture, in this process, as `aiprof analyze` makes it: up to
     JOINT_MAX_RANKS ranks the joint replay (:func:`pipeline.build_report`), above it the per-rank
     path Ray runs (each rank priced with its partner, :func:`build_job_report`), here on a
     :class:`SerialEngine`. pipeline.build_report does not couple more ranks than that: on a
     64-rank job it priced them one by one, and the straggler that costs 48.9 % of the step (the
-    Ray path's first cause) went unpriced, the report saying "Nothing to fix"."""
+    Ray path's first cause) went unpriced, the report saying "Nothing to fix". The capture's
+    ranks are in their stores already (opening it ingested them): the tasks read those."""
     if len(cap.ranks) <= JOINT_MAX_RANKS:
         return pipeline.build_report(cap, entry, top, detail)
     with SerialEngine() as eng:
-        return build_job_report([r.source for r in cap.ranks], eng, entry, top, use_cache, detail=detail)
+        return build_job_report([r.source for r in cap.ranks], eng, entry, top, use_cache=True, detail=detail)
 
 
 def _call(args: tuple, token: str, asked: frozenset[str], sources: list[str]) -> Call:
