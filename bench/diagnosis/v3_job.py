@@ -61,6 +61,8 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
   fsdp1_prefetch FSDP1 (FullyShardedDataParallel, one unit per block) with backward_prefetch=None -> the
                 default BackwardPrefetch.BACKWARD_PRE: without it each block's all-gather in backward is
                 issued after the previous block's reduce-scatter, and NCCL runs the two in issue order
+  fsdp1_post    the same with BackwardPrefetch.BACKWARD_POST (each block's all-gather issued from the post-backward
+                hook of the block after it: ahead of its reduce-scatter, after its compute) -> BACKWARD_PRE
   ddp_unused    DDP(find_unused_parameters=True) on a model that uses every parameter -> False (default)
   dataparallel  nn.DataParallel over every visible GPU in one process (run it on 1 rank: torchrun
                 --nproc-per-node 1), --batch sequences per GPU -> DDP, one process per GPU (4 ranks)
@@ -302,13 +304,14 @@ def main() -> None:
                 b.forward = torch.compile(b.forward)
             fully_shard(b, reshard_after_forward=not (a.case == "fsdp_reshard" and not fault))
         fully_shard(model)
-    elif a.case == "fsdp1_prefetch":
+    elif a.case in ("fsdp1_prefetch", "fsdp1_post"):
         from torch.distributed.fsdp import BackwardPrefetch
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=dev, use_orig_params=True,
-                     backward_prefetch=None if fault else BackwardPrefetch.BACKWARD_PRE)
+                     backward_prefetch=(BackwardPrefetch.BACKWARD_PRE if not fault else
+                                        None if a.case == "fsdp1_prefetch" else BackwardPrefetch.BACKWARD_POST))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     graphs = a.case == "launch" and not fault
     if graphs:  # the optimizer stays eager, as in the fault; only the forward/backward is graphed

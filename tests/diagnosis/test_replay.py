@@ -264,3 +264,31 @@ def test_an_op_that_starts_as_another_streams_op_ends_waited_for_it():
     ready = us([0.0, 10.0, 240.0, 340.0]) * US
     first = us([True, False, False, False])
     assert _implicit_waits(o_ts, o_end, stream, ready, first) == {1: 0}
+
+
+def test_an_op_issued_earlier_queues_in_its_new_order():
+    # FSDP1's backward without prefetch: all-gather 1 (stream 2), unit 1's compute (stream 1), its
+    # reduce-scatter (stream 3), then all-gather 2, which the communicator runs after that
+    # reduce-scatter, and unit 2's compute; every call 1 µs after the one before, no launch latency
+    g = graph([(STEP, 0, 0, -1), (LAUNCH, 1, 0, -1), (LAUNCH, 1, 0, -1), (LAUNCH, 1, 0, -1), (LAUNCH, 1, 0, -1),
+               (LAUNCH, 1, 0, -1), (END, 0, 0, -1)],
+              [(1, 2, 100), (2, 1, 50), (3, 3, 100), (4, 2, 100), (5, 1, 50)])
+    g.o_deps = {1: [0], 2: [1], 3: [2], 4: [3]}
+    ends: list = []
+    # AG1 1-101, C1 101-151, RS1 151-251, AG2 251-351, C2 351-401
+    assert replay(g, op_ends=ends).total_ns == pytest.approx(401 * US)
+    assert ends == pytest.approx([101 * US, 151 * US, 251 * US, 351 * US, 401 * US])
+    # prefetched: all-gather 2 issued with all-gather 1 (after it on its stream), the reduce-scatter
+    # after it on the communicator, unit 2's compute waiting for it alone
+    e = Edit(launch_at={3: 1}, deps={3: [], 2: [1, 3], 4: [3]})
+    ends = []
+    # AG1 1-101, AG2 101-201, C1 101-151, RS1 201-301 (after AG2), C2 201-251: the window ends at 301
+    assert replay(g, e, op_ends=ends).total_ns == pytest.approx(301 * US)
+    assert ends == pytest.approx([101 * US, 151 * US, 301 * US, 201 * US, 251 * US])  # the graph's numbering
+    # combined with another edit, the re-issue and its waits stay
+    other = Edit.for_graph(g)
+    other.op_dur[1] = 10 * US
+    both = combine(g, [e, other])
+    assert both.launch_at == {3: 1} and both.deps[2] == [1, 3]
+    # C1 101-111: RS1 still waits for AG2 (201-301)
+    assert replay(g, both).total_ns == pytest.approx(301 * US)

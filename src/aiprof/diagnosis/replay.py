@@ -7,7 +7,8 @@ a blocking call returns when the op it waits for has finished, plus its own cost
 ends when both the host and the GPU are done.
 
 An :class:`Edit` says what the fix changes: host time removed, calls that no longer wait, GPU
-ops removed or shortened, ops packed back to back (a CUDA graph). A cause's saving is the
+ops removed or shortened, ops packed back to back (a CUDA graph), ops issued earlier (a
+collective prefetched) with the waits they then have. A cause's saving is the
 replayed window without the edit minus with it. With the default profiler deflation the
 unedited replay estimates the *unprofiled* step (see :mod:`aiprof.diagnosis.profiler_cost`);
 with ``ProfilerCost.none()`` it reproduces the recorded timeline (tests check both).
@@ -40,6 +41,11 @@ class Edit:
     min_step_ns: float = 0.0
     # new transfer time (ns) of matched collectives, by collective id (a faster interconnect)
     c_transfer: dict | None = None
+    # ops issued by another (earlier) action: op -> that action; they join its launches, after its
+    # own ops, and queue on their streams in that new order (see :func:`_reissued`)
+    launch_at: dict | None = None
+    # op -> the ops on other streams it waits for in the fix, replacing the graph's for that op
+    deps: dict | None = None
     notes: dict = field(default_factory=dict)
 
     @classmethod
@@ -69,6 +75,10 @@ def combine(g: Graph, edits: list[Edit], label: str = "") -> Edit:
             m = ~np.isnan(e.op_dur)
             out.op_dur[m] = e.op_dur[m]
         out.min_step_ns = max(out.min_step_ns, e.min_step_ns)
+        if e.launch_at:
+            out.launch_at = (out.launch_at or {}) | e.launch_at
+        if e.deps:
+            out.deps = (out.deps or {}) | e.deps
         if e.c_transfer is not None:
             prev = out.c_transfer or {}
             out.c_transfer = prev | {c: min(t, prev.get(c, t)) for c, t in e.c_transfer.items()}
@@ -191,6 +201,34 @@ def _action_shape(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return hit[1]
 
 
+def _reissued(g: Graph, launch_at: dict, lists: tuple, per_op: tuple, deps: dict
+              ) -> tuple[np.ndarray, tuple, tuple, dict, tuple]:
+    """The replay's inputs with ops issued by other actions (``Edit.launch_at``): ops renumbered
+    in their new issue order (each action's own ops, then those it takes over, in their recorded
+    order), so that the replay's one pass over actions and ops stays in step and every stream runs
+    its ops in the order they are now issued. Returns the new order (new index -> op), the fixed
+    lists, the per-op lists and the dependencies renumbered, and the actions' shape (as
+    :func:`_action_shape`) for the new issue order."""
+    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams = lists
+    action = g.o_action.copy()
+    for j, a in launch_at.items():
+        action[j] = a
+    order = np.argsort(action, kind="stable")
+    inv = np.empty_like(order)
+    inv[order] = np.arange(len(order))
+    ordl, invl = order.tolist(), inv.tolist()
+    new_act = action[order]
+    oact = new_act.tolist() + [-1]
+    wait_l = [invl[w] if w >= 0 else w for w in wait_l]
+    ostream, odelay, ocoll = ([v[k] for k in ordl] for v in (ostream, odelay, ocoll))
+    per_op = tuple([v[k] for k in ordl] for v in per_op)
+    deps = {invl[j]: [invl[d] for d in ds] for j, ds in deps.items()}
+    n_of = np.bincount(new_act, minlength=g.n_actions)[:g.n_actions]
+    first_of = np.minimum(np.searchsorted(new_act, np.arange(g.n_actions), side="left"), max(g.n_ops - 1, 0))
+    bulk = (g.a_kind < STEP) & (np.asarray(wait_l) < 0)
+    return order, (kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams), per_op, deps, (n_of, first_of, bulk)
+
+
 def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
              op_ends: list | None = None, trace: Trace | None = None
              ) -> Generator[tuple[int, float], float, ReplayResult]:
@@ -213,19 +251,25 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     # and GPU op for every what-if priced, so it takes the larger of two floats as
     # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call.
     gap_l, cost_l, nowait_l = gap.tolist(), cost.tolist(), no_wait.tolist()
-    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams = _fixed_lists(g)
-    dur_l, drop_l, packed_l = dur.tolist(), drop.tolist(), packed.tolist()
-    deps = g.o_deps
+    lists = _fixed_lists(g)
+    deps = g.o_deps if edit is None or not edit.deps else g.o_deps | edit.deps
     lat = g.launch_latency_ns
     transfer = g.c_transfer if edit is None or edit.c_transfer is None else g.c_transfer | edit.c_transfer
     # the bulk of ops: run, launched (not from a graph), no cross-stream wait, not a coupled
     # collective; the loop takes a short path for them
     plain = ~drop & ~packed
     if deps:
-        plain[list(deps)] = False
+        plain[[j for j, d in deps.items() if d]] = False
     if g.o_coll is not None and transfer:
         plain &= ~np.isin(g.o_coll, list(transfer))
-    plain_l = plain.tolist()
+    per_op = (dur.tolist(), drop.tolist(), packed.tolist(), plain.tolist())
+    order = None
+    if edit is not None and edit.launch_at:
+        order, lists, per_op, deps, shape = _reissued(g, edit.launch_at, lists, per_op, deps)
+    else:
+        shape = _action_shape(g)
+    kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams = lists
+    dur_l, drop_l, packed_l, plain_l = per_op
     arrivals: dict[int, float] = {}
     lo = float(g.lo)
     gend = [0.0] * n_op
@@ -237,10 +281,10 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     j = 0
     # per action: 1 a launch of one plain op, 0 a host action launching nothing, neither waiting
     # for an op nor a marker (the bulk of actions: short paths below), else 2 (the general path)
-    n_of, first_of, bulk = _action_shape(g)
+    n_of, first_of, bulk = shape
     code = np.where(bulk & (n_of == 0), 0, 2)
     if n_op:
-        code[bulk & (n_of == 1) & plain[first_of]] = 1
+        code[bulk & (n_of == 1) & (plain if order is None else plain[order])[first_of]] = 1
     code_l = code.tolist()
     if trace is not None:  # its lists' methods, looked up once
         t_start, t_end, t_ready, t_ends = trace.a_start.append, trace.a_end.append, trace.o_ready.append, trace.a_end
@@ -371,13 +415,23 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
         if end > cursor:
             cursor = end
         prev_start = start
+    if order is not None:  # back to the graph's numbering of ops
+        back = [0.0] * n_op
+        for k, v in zip(order.tolist(), gend):
+            back[k] = v
+        gend = back
+        if trace is not None:
+            ready_back = [0.0] * n_op
+            for k, v in zip(order.tolist(), trace.o_ready):
+                ready_back[k] = v
+            trace.o_ready = ready_back
     if op_ends is not None:
         op_ends.extend(gend)
     if trace is not None:
         # arrays: a rank's facts keep their baseline's trace for as long as the report is built
         # (np.fromiter: the same float64 arrays, made ~2.5x faster than np.asarray's from a list)
         trace.a_start, trace.a_end = _floats(trace.a_start), _floats(trace.a_end)
-        trace.o_ready, trace.o_end = _floats(trace.o_ready), np.fromiter(gend, np.float64, j)
+        trace.o_ready, trace.o_end = _floats(trace.o_ready), np.fromiter(gend, np.float64, j if order is None else n_op)
         trace.effective = {"gap": gap, "cost": cost, "dur": dur, "drop": drop, "packed": packed,
                            "no_wait": no_wait, "packed_gap_ns": pgap, "transfer": transfer}
     total = max(cursor, gpu_end) - lo

@@ -20,6 +20,7 @@ from aiprof.diagnosis.causes import (
     dataloader,
     decode_launch_bound,
     eager_attention,
+    fsdp_prefetch,
     fsdp_regather,
     grad_accum,
     host_preprocessing,
@@ -86,6 +87,7 @@ REGISTRY: tuple[Detector, ...] = (
     launch_bound.DETECTOR,
     slow_interconnect.ON_ONE_RANK,
     fsdp_regather.DETECTOR,
+    fsdp_prefetch.DETECTOR,
     grad_accum.DETECTOR,
     slow_interconnect.DETECTOR,
     # EXPOSED_BUCKET_COMM failed its validation pair: on two NVLink H200s, one 384 MB bucket vs

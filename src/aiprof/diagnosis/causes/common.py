@@ -192,3 +192,27 @@ def owned_actions(f: RankFacts) -> np.ndarray:
     ok = an >= 0
     out[ok] = owned[an[ok]]
     return out
+
+
+def named_intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ts, end, tid) of the rows of ``table`` whose name satisfies ``pred``."""
+    names = table.strings("name")
+    ok = np.array([bool(pred(s)) for s in names.labels] + [False])[names.codes] if len(table) else np.zeros(0, bool)
+    ts = np.asarray(table["ts"])[ok]
+    return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok]
+
+
+def inside_intervals(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarray:
+    """Which of the events (``ts``, ``tid``) start inside one of the ``outer`` intervals of
+    their own thread (``outer``: ts, end, tid, as from :func:`named_intervals`)."""
+    o_ts, o_end, o_tid = outer
+    out = np.zeros(len(ts), dtype=bool)
+    for t in np.unique(tid):
+        m, om = tid == t, o_tid == t
+        if not om.any():
+            continue
+        order = np.argsort(o_ts[om], kind="stable")
+        starts, ends = o_ts[om][order], np.maximum.accumulate(o_end[om][order])
+        k = np.searchsorted(starts, ts[m], side="right") - 1
+        out[m] = (k >= 0) & (ends[np.maximum(k, 0)] > ts[m])
+    return out

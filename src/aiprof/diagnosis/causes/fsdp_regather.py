@@ -26,7 +26,7 @@ import numpy as np
 
 from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.intervals import union
-from aiprof.diagnosis.causes.common import ms
+from aiprof.diagnosis.causes.common import inside_intervals, ms, named_intervals
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
@@ -43,30 +43,6 @@ _MIB = float(1 << 20)
 #: with Python stacks: FSDP2's methods around those annotations, whose own Python (the parameters'
 #: views, the streams' events) the re-gather also costs (``_fsdp_param_group.py``)
 _AROUND = re.compile(r"fsdp/_fully_shard/_fsdp_param_group\.py\(\d+\): (unshard|wait_for_unshard)$")
-
-
-def _intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ts, end, tid) of the rows of ``table`` whose name satisfies ``pred``."""
-    names = table.strings("name")
-    ok = np.array([bool(pred(s)) for s in names.labels] + [False])[names.codes] if len(table) else np.zeros(0, bool)
-    ts = np.asarray(table["ts"])[ok]
-    return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok]
-
-
-def _inside(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarray:
-    """Which of the events (``ts``, ``tid``) start inside one of the ``outer`` intervals of
-    their own thread (``outer``: ts, end, tid, as from :func:`_intervals`)."""
-    o_ts, o_end, o_tid = outer
-    out = np.zeros(len(ts), dtype=bool)
-    for t in np.unique(tid):
-        m, om = tid == t, o_tid == t
-        if not om.any():
-            continue
-        order = np.argsort(o_ts[om], kind="stable")
-        starts, ends = o_ts[om][order], np.maximum.accumulate(o_end[om][order])
-        k = np.searchsorted(starts, ts[m], side="right") - 1
-        out[m] = (k >= 0) & (ends[np.maximum(k, 0)] > ts[m])
-    return out
 
 
 def regathers(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
@@ -95,8 +71,8 @@ def _find_regathers(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     ts = np.asarray(an["ts"])[idx]
     end = ts + np.asarray(an["dur"])[idx]
     tid = np.asarray(an["tid"])[idx]
-    backward = _intervals(f.rt.ops, lambda s: s.startswith(_BACKWARD_OP))
-    in_bw = _inside(ts, tid, backward)
+    backward = named_intervals(f.rt.ops, lambda s: s.startswith(_BACKWARD_OP))
+    in_bw = inside_intervals(ts, tid, backward)
     step = f.steps.index_of(ts)
     seen: set = set()
     again = np.zeros(len(idx), dtype=bool)
@@ -139,7 +115,7 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> Edi
     real = np.nonzero(g.a_row >= 0)[0]
     if len(real) and len(rt):
         rows = g.a_row[real]
-        acts[real] = _inside(np.asarray(rt["ts"])[rows], np.asarray(rt["tid"])[rows], (ts, end, tid))
+        acts[real] = inside_intervals(np.asarray(rt["ts"])[rows], np.asarray(rt["tid"])[rows], (ts, end, tid))
     e.cost_remove[acts] = g.cost[acts]
     if g.n_ops:
         e.drop_op |= acts[g.o_action]
@@ -148,7 +124,7 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> Edi
         marks = np.isin(g.a_kind, (COLL_START, COLL_END)) & np.isin(g.a_coll, list(gone))
         e.no_wait |= marks & (g.a_kind == COLL_END)
         # a host-side marker inside the annotation (the launch's record_param_comms) goes with it
-        inside = _inside(g.a_ts, np.full(g.n_actions, -1), (ts, end, np.full(len(ts), -1)))
+        inside = inside_intervals(g.a_ts, np.full(g.n_actions, -1), (ts, end, np.full(len(ts), -1)))
         e.cost_remove[marks & inside] = g.cost[marks & inside]
     return e
 
@@ -162,7 +138,7 @@ def _gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarr
     kinds = c.strings("coll").values()
     side = c.strings("side").values()
     m = (kinds == "AllGather") & (side == "cpu")
-    m &= _inside(np.asarray(c["ts"]), np.asarray(c["tid"]), (ts, end, tid))
+    m &= inside_intervals(np.asarray(c["ts"]), np.asarray(c["tid"]), (ts, end, tid))
     if not m.any():
         return 0.0
     size = np.array([DTYPE_BYTES.get(str(d), 4) for d in c.strings("dtype").values()[m]])
