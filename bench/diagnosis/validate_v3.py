@@ -101,6 +101,8 @@ PAIRS: dict[str, tuple[str, str, float | None, tuple[str, ...]]] = {
     "v3b/fsdp1_prefetch_sockets_fault": ("listed", "FSDP_NO_BACKWARD_PREFETCH", 1 - 77.4 / 88.2, ()),
     # the same over NVLink: 36.8 against 39.2 ms, noise (a negative control)
     "v3b/fsdp1_prefetch_fault": ("control", "", None, ("FSDP_NO_BACKWARD_PREFETCH",)),
+    # BACKWARD_POST against BACKWARD_PRE over sockets: 105.7 vs 99.5 ms, faster in 2 rounds of 3 (noise)
+    "v3b/fsdp1_post_sockets_fault": ("control", "SLOW_INTERCONNECT", None, ("FSDP_NO_BACKWARD_PREFETCH",)),
 }
 
 

@@ -1,22 +1,22 @@
 """FSDP_NO_BACKWARD_PREFETCH: FSDP1 all-gathers a unit's parameters for its backward only once
-the backward reaches it (``backward_prefetch=None``), or late (``BACKWARD_POST``).
+the backward reaches it (``backward_prefetch=None``), behind the reduce-scatter of the unit before.
 
 Mechanism: NCCL runs the collectives of a process group one at a time, in the order they were
 issued, whatever CUDA stream each is on (FSDP's ``BackwardPrefetch`` docstring). With
 ``backward_prefetch=None`` FSDP1's pre-backward hook of unit i issues unit i's all-gather when
 autograd reaches unit i, after unit i+1's post-backward hook issued its reduce-scatter: the
 all-gather waits for that reduce-scatter and unit i's backward for the all-gather, so the
-collectives idle while a unit computes and the unit waits while they run. ``BACKWARD_POST``
-issues it from unit i+1's post-backward hook: ahead of the reduce-scatter, but only once unit
-i+1's gradients are computed. ``BACKWARD_PRE`` (the default) issues it from unit i+1's
-pre-backward hook: it runs under unit i+1's backward compute, at the cost of one more unit's
-unsharded parameters held at a time.
+collectives idle while a unit computes and the unit waits while they run. ``BACKWARD_PRE`` (the
+default) issues it from unit i+1's pre-backward hook: it runs under unit i+1's backward compute,
+at the cost of one more unit's unsharded parameters held at a time. ``BACKWARD_POST`` issues it
+from unit i+1's post-backward hook, ahead of the reduce-scatter but after unit i+1's compute: it
+measured within noise of ``BACKWARD_PRE`` (docs/findings.md), so it is not a cause.
 
-Evidence: FSDP1's own annotations. Backward all-gathers are the NCCL AllGather kernels launched
-inside ``FullyShardedDataParallel._pre_backward_hook`` (on demand) or inside
-``_post_backward_prefetch`` (late); on every rank at least ``MIN_GATHERS_PER_STEP`` of them a step
-and none launched inside ``_pre_backward_prefetch`` (BACKWARD_PRE in use: every backward
-all-gather but a step's first is issued there).
+Evidence: FSDP1's own annotations. Backward all-gathers issued on demand are the NCCL AllGather
+kernels launched inside ``FullyShardedDataParallel._pre_backward_hook`` but not inside a prefetch
+annotation (``_pre_backward_prefetch``, ``_post_backward_prefetch``); on every rank at least
+``MIN_GATHERS_PER_STEP`` of them a step and no all-gather launched inside a prefetch annotation
+(with prefetching on, every backward all-gather but a step's first is).
 
 What-if, on every rank at once (the setting is the job's), by the joint replay: each backward
 all-gather issued where ``BACKWARD_PRE`` issues it, at the prefetch point of the pre-backward hook
@@ -41,7 +41,7 @@ CODE = "FSDP_NO_BACKWARD_PREFETCH"
 #: FSDP1's record_function names (torch/distributed/fsdp/_runtime_utils.py)
 _HOOK = "FullyShardedDataParallel._pre_backward_hook"
 _PREFETCH = "FullyShardedDataParallel._pre_backward_prefetch"
-_POST_PREFETCH = "FullyShardedDataParallel._post_backward_prefetch"
+_PREFETCHES = (_PREFETCH, "FullyShardedDataParallel._post_backward_prefetch")
 #: a step needs a second all-gather in backward for one to be prefetched (the first has no hook
 #: of its own unit before it, but the root's)
 MIN_GATHERS_PER_STEP = 2
@@ -66,12 +66,10 @@ def _comm_ops(f: RankFacts) -> tuple[np.ndarray, np.ndarray]:
 
 
 def backward_gathers(f: RankFacts) -> dict:
-    """The rank's backward all-gathers that BACKWARD_PRE would issue earlier: ``ops`` (their NCCL
-    kernels, in issue order: those issued on demand from their own unit's pre-backward hook, and
-    those prefetched late from a post-backward hook), ``late`` (how many of them are the latter),
-    ``at`` (the action where BACKWARD_PRE would issue each, -1 where no hook comes before it) and
-    ``prefetched`` (how many all-gathers were issued from a pre-backward prefetch: BACKWARD_PRE in
-    use). Found once per rank (``f.extra``)."""
+    """The rank's backward all-gathers issued on demand: ``ops`` (their NCCL kernels, in issue
+    order), ``at`` (the action where BACKWARD_PRE would issue each, -1 where no hook comes before
+    it) and ``prefetched`` (how many all-gathers were issued from a prefetch annotation instead).
+    Found once per rank (``f.extra``)."""
     got = f.extra.get("_fsdp_backward_gathers")
     if got is None:
         got = f.extra["_fsdp_backward_gathers"] = _find(f)
@@ -79,7 +77,7 @@ def backward_gathers(f: RankFacts) -> dict:
 
 
 def _find(f: RankFacts) -> dict:
-    none = {"ops": np.zeros(0, np.int64), "at": np.zeros(0, np.int64), "late": 0, "prefetched": 0}
+    none = {"ops": np.zeros(0, np.int64), "at": np.zeros(0, np.int64), "prefetched": 0}
     g, an = f.graph, f.rt.annotations
     if not len(an) or not g.n_ops:
         return none
@@ -95,14 +93,12 @@ def _find(f: RankFacts) -> dict:
     rows = g.a_row[g.o_action[ag]]
     ts, tid = a_ts[rows], a_tid[rows]
     in_hook = inside_intervals(ts, tid, hooks)
-    pre = inside_intervals(ts, tid, named_intervals(an, lambda s: s == _PREFETCH))
-    post = inside_intervals(ts, tid, named_intervals(an, lambda s: s == _POST_PREFETCH))
-    movable = (in_hook & ~pre & ~post) | post
-    ops = ag[movable]
+    prefetched = inside_intervals(ts, tid, named_intervals(an, lambda s: s in _PREFETCHES))
+    ops = ag[in_hook & ~prefetched]
     at = np.full(len(ops), -1, np.int64)
     # each hook's prefetch point: the last action of its thread before its _pre_backward_prefetch
     # (BACKWARD_PRE's); an all-gather goes to the point of the last hook that ended before it was
-    # issued, the hook of the unit after its own (its own hook is still open when it issues on demand)
+    # issued: the hook of the unit after its own (its own hook is still open when it issues it)
     p_ts, _, p_tid = named_intervals(an, lambda s: s == _PREFETCH)
     h_ts, h_end, h_tid = hooks
     real = np.nonzero(g.a_row >= 0)[0]
@@ -121,7 +117,7 @@ def _find(f: RankFacts) -> dict:
         cand = real[(r_tid == th) & (r_ts < point)]
         if len(cand) and cand[-1] < g.o_action[j]:
             at[k] = cand[-1]
-    return {"ops": ops, "at": at, "late": int(post.sum()), "prefetched": int(pre.sum())}
+    return {"ops": ops, "at": at, "prefetched": int(prefetched.sum())}
 
 
 def _edit(f: RankFacts) -> Edit:
@@ -156,8 +152,7 @@ def _edit(f: RankFacts) -> Edit:
 
 
 def has_unprefetched_gathers(f: RankFacts) -> bool:
-    """Whether the rank's FSDP1 backward issues its all-gathers on demand or late (BACKWARD_POST),
-    none from a pre-backward prefetch."""
+    """Whether the rank's FSDP1 backward issues its all-gathers on demand, none prefetched."""
     found = backward_gathers(f)
     per = max(len(f.steps), 1)
     return not found["prefetched"] and (found["at"] >= 0).sum() >= (MIN_GATHERS_PER_STEP - 1) * per
@@ -175,32 +170,21 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
     g0, ops = f0.graph, found["ops"]
     waited_ns = float(np.maximum(g0.o_ts[ops] - g0.a_ts[g0.o_action[ops]], 0).sum()) / per
     claims = [Claim(GPU_IDLE, f.rank, 0.0) for f in facts]
-    late = found["late"] * 2 > len(ops)  # most issued from post-backward hooks: BACKWARD_POST
-    if late:
-        title = (f"FSDP prefetches each unit's backward all-gather late (BACKWARD_POST): {gathers} all-gathers per "
-                 f"step issued only once the unit after it has computed its gradients ({ms(waited_ns)} from issue "
-                 f"to start on rank {f0.rank})")
-        how = ("With backward_prefetch=BACKWARD_POST, FSDP issues unit i's all-gather from unit i+1's post-backward "
-               "hook, once unit i+1's gradients are computed: it cannot run under unit i+1's compute, and unit i's "
-               "backward waits for it.")
-        setting = "BACKWARD_POST"
-    else:
-        title = (f"FSDP issues each unit's backward all-gather only when its backward starts: {gathers} all-gathers "
-                 f"per step queue behind the previous unit's reduce-scatter ({ms(waited_ns)} from issue to start "
-                 f"on rank {f0.rank})")
-        how = ("With backward_prefetch=None, FSDP issues unit i's all-gather from its own pre-backward hook, after "
-               "unit i+1 issued its reduce-scatter: the all-gather waits for that reduce-scatter and unit i's "
-               "backward waits for the all-gather, so communication and compute take turns.")
-        setting = "None"
+    title = (f"FSDP issues each unit's backward all-gather only when its backward starts: {gathers} all-gathers "
+             f"per step queue behind the previous unit's reduce-scatter ({ms(waited_ns)} from issue to start "
+             f"on rank {f0.rank})")
     c = Cause(
         code=CODE, rank=None, title=title,
-        mechanism="NCCL runs a process group's collectives one at a time in the order they are issued. " + how,
+        mechanism=("NCCL runs a process group's collectives one at a time in the order they are issued. With "
+                   "backward_prefetch=None, FSDP issues unit i's all-gather from its own pre-backward hook, after "
+                   "unit i+1 issued its reduce-scatter: the all-gather waits for that reduce-scatter and unit i's "
+                   "backward waits for the all-gather, so communication and compute take turns."),
         remedy=("Prefetch the next unit's parameters from the pre-backward hook: FullyShardedDataParallel(..., "
                 "backward_prefetch=BackwardPrefetch.BACKWARD_PRE) (the default; one more unit's unsharded "
                 "parameters are held at a time), or move to FSDP2 (fully_shard), which prefetches in backward."),
         place=Place("collective", "FSDP all-gather in backward (FullyShardedDataParallel._pre_backward_hook)",
                     "", [], []),
-        evidence={"backward_gathers_per_step": gathers, "backward_prefetch": setting,
+        evidence={"backward_gathers_per_step": gathers, "backward_prefetch": "None",
                   "issue_to_start_us_per_step": waited_ns / 1e3},
         edit=edits[f0.rank], claims=claims)
     pricer.price(f0, c, None, {r: e for r, e in edits.items() if r != f0.rank})
