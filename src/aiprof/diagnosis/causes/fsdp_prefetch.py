@@ -42,8 +42,8 @@ CODE = "FSDP_NO_BACKWARD_PREFETCH"
 _HOOK = "FullyShardedDataParallel._pre_backward_hook"
 _PREFETCH = "FullyShardedDataParallel._pre_backward_prefetch"
 _PREFETCHES = (_PREFETCH, "FullyShardedDataParallel._post_backward_prefetch")
-#: a step needs a second all-gather in backward for one to be prefetched (the first has no hook
-#: of its own unit before it, but the root's)
+#: on-demand backward all-gathers a step, at least: a step's first has no reduce-scatter of an
+#: earlier unit to queue behind, so one alone loses nothing to the order
 MIN_GATHERS_PER_STEP = 2
 
 
@@ -155,7 +155,8 @@ def has_unprefetched_gathers(f: RankFacts) -> bool:
     """Whether the rank's FSDP1 backward issues its all-gathers on demand, none prefetched."""
     found = backward_gathers(f)
     per = max(len(f.steps), 1)
-    return not found["prefetched"] and (found["at"] >= 0).sum() >= (MIN_GATHERS_PER_STEP - 1) * per
+    return (not found["prefetched"] and len(found["ops"]) >= MIN_GATHERS_PER_STEP * per
+            and bool((found["at"] >= 0).any()))
 
 
 def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
