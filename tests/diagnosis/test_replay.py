@@ -292,3 +292,23 @@ def test_an_op_issued_earlier_queues_in_its_new_order():
     assert both.launch_at == {3: 1} and both.deps[2] == [1, 3]
     # C1 101-111: RS1 still waits for AG2 (201-301)
     assert replay(g, both).total_ns == pytest.approx(301 * US)
+
+
+def test_host_time_is_put_back_only_where_the_host_sets_the_step():
+    from aiprof.diagnosis.facts import HOST_BOUND_MIN_SHARE, fit_deflation
+
+    # a host-bound step: 100 ms of host, less the profiler's cost (alpha x 30 ms), over a 40 ms GPU
+    def host_bound(alpha: float, beta: float) -> float:
+        return max(beta * (100.0 - 30.0 * alpha), 40.0)
+
+    # the unprofiled step is 85 ms, slower than the replay with the measured cost (70 ms): less deflation
+    alpha, beta = fit_deflation(host_bound, 85.0)
+    assert 0 < alpha < 1 and beta == 1.0 and host_bound(alpha, beta) == pytest.approx(85.0, rel=0.01)
+
+    # a comm-bound step: 100 ms of collectives, the host (at most 98 ms profiled) hidden under them;
+    # the unprofiled step measured 103 ms: the miss is the collectives', the measured cost stays
+    def comm_bound(alpha: float, beta: float) -> float:
+        return max(beta * (98.0 - 30.0 * alpha), 100.0)
+
+    assert (comm_bound(0, 1) - comm_bound(1, 1)) / 103.0 < HOST_BOUND_MIN_SHARE
+    assert fit_deflation(comm_bound, 103.0) == (1.0, 1.0)

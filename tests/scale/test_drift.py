@@ -49,9 +49,21 @@ PAIR_PRICING_REL = 0.035
 # (fsdp_reshard_fix). On the root-only FSDP2 capture (v3b/fsdp_wrap_fault), rank 3's LAUNCH_BOUND
 # 5.0 % by the pair against 2.9 % by all four, SM_ARRAY_IDLE 3.3 against 2.1 % (the in-process report
 # is healthy, the pair's is not: the divergence a user can see, docs/scale.md).
+# The 4-rank FSDP1 captures (v3b/fsdp1_*): a LAUNCH_BOUND of 0.2-4 % on one rank, listed or minor
+# by one path and not the other (the pair's calibration), and so in the symptoms it explains. Over
+# NVLink (fsdp1_prefetch_fault: host-bound, every cause small) the pair prices rank 3's LAUNCH_BOUND
+# at 8.4 % against 4.2 % by all four, rank 1's UNEXPLAINED leaf at 2.4 against 1.3 %, and lists an
+# SM_ARRAY_IDLE of rank 2 at 1.1 % that all four leave minor.
 PAIR_DIVERGES = {"v3/ddp_uneven_fix": {"SM_ARRAY_IDLE"}, "v3b/ddp_unused_fault": {"SM_ARRAY_IDLE"},
                  "v3b/fsdp_reshard_fault": {"LAUNCH_BOUND"}, "v3b/fsdp_reshard_fix": {"UNEXPLAINED"},
-                 "v3b/fsdp_wrap_fault": {"LAUNCH_BOUND", "SM_ARRAY_IDLE"}}
+                 "v3b/fsdp_wrap_fault": {"LAUNCH_BOUND", "SM_ARRAY_IDLE"},
+                 "v3b/fsdp1_post_sockets_fault": {"LAUNCH_BOUND"},
+                 "v3b/fsdp1_prefetch_fault": {"LAUNCH_BOUND", "SM_ARRAY_IDLE", "UNEXPLAINED"},
+                 "v3b/fsdp1_prefetch_sockets_fault": {"LAUNCH_BOUND"}}
+# The largest critical-path leaf of a rank may differ in kind where two are close: on the FSDP1 job
+# over NVLink (v3b/fsdp1_prefetch_fault, host-bound, its ranks waiting for each other) ranks 0 and 2's
+# host work by the pair against their wait for the other ranks by all four.
+PAIR_LEAF_DIVERGES = {"v3b/fsdp1_prefetch_fault"}
 # Not Kineto traces: raw CUPTI PM samples (tests/data/README.md)
 NOT_TRACES = ("pm",)
 _RANK_FILE = re.compile(r"^(.*)_rank\d+\.json\.gz$")
@@ -111,6 +123,26 @@ def _same(got, want, path: str = "") -> None:
         assert got == want, f"{path}: {got!r} != {want!r}"
 
 
+def _unlinked(symptoms: list[dict], codes: set, touched: set) -> list[dict]:
+    """The symptoms without their links to causes of ``codes`` (the causes that may diverge), and
+    without the unexplained remainder of those at the indexes ``touched`` (what such a cause
+    explained on either side)."""
+    out = []
+    for i, s in enumerate(symptoms):
+        if codes and "explained_by" in s:
+            s = s | {"explained_by": [e for e in s["explained_by"] if e["cause"].split("@")[0] not in codes]}
+            if i in touched:
+                s.pop("unexplained_us", None)
+        out.append(s)
+    return out
+
+
+def _touched(symptoms: list[dict], codes: set) -> set:
+    """The indexes of the symptoms a cause of ``codes`` explains."""
+    return {i for i, s in enumerate(symptoms)
+            if any(e["cause"].split("@")[0] in codes for e in s.get("explained_by", []))}
+
+
 def _key(c: dict) -> tuple:
     return c["code"], c["rank"]
 
@@ -126,8 +158,11 @@ def test_every_engine_gives_the_in_process_report(name, ray_engine, tmp_path):
     if len(files) <= 2:  # the pair is the job
         _same(here, want)
         return
-    for part in ("capture", "ranks", "cross_rank", "symptoms"):
+    codes = PAIR_DIVERGES.get(name, set())
+    for part in ("capture", "ranks", "cross_rank"):
         _same(here[part], want[part], part)
+    touched = _touched(here["symptoms"], codes) | _touched(want["symptoms"], codes)
+    _same(_unlinked(here["symptoms"], codes, touched), _unlinked(want["symptoms"], codes, touched), "symptoms")
     # the baseline is calibrated on the pair's joint replay, not every rank's (docs/scale.md): the
     # same rows, the replayed step within PAIR_PRICING_REL (v3/ddp_uneven_fix, 4 ranks with their
     # unprofiled steps: 27.65 against 27.90 ms, 0.9 %), the same largest leaf of the critical path
@@ -136,8 +171,8 @@ def test_every_engine_gives_the_in_process_report(name, ray_engine, tmp_path):
         assert g["replayed_step_us"] == pytest.approx(w["replayed_step_us"], rel=PAIR_PRICING_REL), w["rank"]
         gp, wp = g["critical_path"], w["critical_path"]
         assert gp["per_step_us"] == pytest.approx(wp["per_step_us"], rel=PAIR_PRICING_REL), w["rank"]
-        assert gp["leaves"][0]["kind"] == wp["leaves"][0]["kind"], w["rank"]
-    codes = PAIR_DIVERGES.get(name, set())
+        if name not in PAIR_LEAF_DIVERGES:
+            assert gp["leaves"][0]["kind"] == wp["leaves"][0]["kind"], w["rank"]
     here_c = [c for c in here["causes"] if c["code"] not in codes]
     want_c = [c for c in want["causes"] if c["code"] not in codes]
     if codes:  # the divergence is still there (when it is gone, this says so)
@@ -149,14 +184,14 @@ def test_every_engine_gives_the_in_process_report(name, ray_engine, tmp_path):
 
 def test_sockets_rank_gives_slow_interconnect_everywhere(ray_engine, tmp_path):
     """Rank 0 of the sockets DDP pair analysed alone: its GPU's counters show NVLink unused
-    (SLOW_INTERCONNECT, 52.1 % of its step) in process and on both engines."""
+    (SLOW_INTERCONNECT, 77.8 % of its step; 74.6 % measured) in process and on both engines."""
     files = _copy(CAPTURES["sockets_pm_h200x2/rank0"], tmp_path)
     with engines.SerialEngine() as serial:
         reports = [build_report(open_capture(files)), build_job_report(files, serial), build_job_report(files, ray_engine)]
     for r in reports:
         top = r["causes"][0]
         assert (top["code"], top["rank"]) == ("SLOW_INTERCONNECT", 0)
-        assert top["saving"]["share"] == pytest.approx(0.521, abs=0.001)
+        assert top["saving"]["share"] == pytest.approx(0.778, abs=0.001)
 
 
 def test_experimental_job_causes_run_on_every_engine(ray_engine, tmp_path, monkeypatch):
