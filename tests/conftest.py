@@ -38,6 +38,12 @@ def data_capture(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def v3b_capture(data_capture):
+    """``get(name)``: the capture folder tests/data/v3b/<name> (issue 29's pairs), as data_capture."""
+    return lambda name: data_capture(f"v3b/{name}")
+
+
 @pytest.fixture(scope="session")
 def gpt2_stall(tmp_path_factory) -> Path:
     """GPT-2 training, 1 H200; step 3 has an 80 ms sleep in get_batch (GPU idles)."""

@@ -16,13 +16,8 @@ MEASURED = 1 - 24.65 / 216.97
 GPUS = 4
 
 
-@pytest.fixture(scope="module")
-def capture(data_capture):
-    return lambda name: data_capture(f"v3b/{name}")
-
-
-def test_each_gpu_keeps_its_own_streams_in_the_replay(capture):
-    rt = capture("dataparallel_fault").ranks[0]
+def test_each_gpu_keeps_its_own_streams_in_the_replay(v3b_capture):
+    rt = v3b_capture("dataparallel_fault").ranks[0]
     f = analyse_rank(rt, None, 15)[1]
     g = f.graph
     dev = np.asarray(rt.kernels["device"])[g.o_row[g.o_table == 0]]
@@ -32,8 +27,8 @@ def test_each_gpu_keeps_its_own_streams_in_the_replay(capture):
     assert len(np.unique(dev)) == GPUS and len(np.unique(streams)) >= GPUS
 
 
-def test_dataparallel_is_named_first_with_ddp_and_priced_near_the_measured_saving(capture):
-    rep = build_report(capture("dataparallel_fault"))
+def test_dataparallel_is_named_first_with_ddp_and_priced_near_the_measured_saving(v3b_capture):
+    rep = build_report(v3b_capture("dataparallel_fault"))
     c = rep["causes"][0]
     assert c["code"] == data_parallel.CODE and c["evidence"]["gpus"] == GPUS
     assert c["evidence"]["replications_per_step"] == 1
@@ -46,6 +41,6 @@ def test_dataparallel_is_named_first_with_ddp_and_priced_near_the_measured_savin
 
 
 @pytest.mark.parametrize("name", ["vocab_fix", "hfattn_fix"])
-def test_single_gpu_jobs_have_no_dataparallel(capture, name):
-    f = analyse_rank(capture(name).ranks[0], None, 15)[1]
+def test_single_gpu_jobs_have_no_dataparallel(v3b_capture, name):
+    f = analyse_rank(v3b_capture(name).ranks[0], None, 15)[1]
     assert data_parallel.detect(f) == []

@@ -10,7 +10,6 @@ BACKWARD_PRE's 99.5 / 99.3 / 106.6 (faster in two rounds of three: noise, a nega
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from aiprof.diagnosis.causes import fsdp_prefetch
 from aiprof.diagnosis.job import joint_replay
@@ -21,13 +20,8 @@ MEASURED = 1 - 77.4 / 88.2
 FACTOR = 1.5  # issue 29's target: predicted within 1.5x of measured
 
 
-@pytest.fixture(scope="module")
-def capture(data_capture):
-    return lambda name: data_capture(f"v3b/{name}")
-
-
-def test_each_blocks_backward_gather_is_issued_on_demand_and_can_move_to_the_hook_before(capture):
-    for rt in capture("fsdp1_prefetch_sockets_fault").ranks:
+def test_each_blocks_backward_gather_is_issued_on_demand_and_can_move_to_the_hook_before(v3b_capture):
+    for rt in v3b_capture("fsdp1_prefetch_sockets_fault").ranks:
         f = analyse_rank(rt, None, 15)[1]
         found = fsdp_prefetch.backward_gathers(f)
         g = f.graph
@@ -40,23 +34,23 @@ def test_each_blocks_backward_gather_is_issued_on_demand_and_can_move_to_the_hoo
         assert fsdp_prefetch.has_unprefetched_gathers(f)
 
 
-def test_with_backward_pre_the_gathers_are_prefetched(capture):
-    f = analyse_rank(capture("fsdp1_prefetch_sockets_fix").ranks[0], None, 15)[1]
+def test_with_backward_pre_the_gathers_are_prefetched(v3b_capture):
+    f = analyse_rank(v3b_capture("fsdp1_prefetch_sockets_fix").ranks[0], None, 15)[1]
     found = fsdp_prefetch.backward_gathers(f)
     assert found["prefetched"] == BLOCKS * STEPS and not len(found["ops"])
     assert not fsdp_prefetch.has_unprefetched_gathers(f)
 
 
-def test_backward_post_prefetches_and_nothing_is_said(capture):
-    rep = build_report(capture("fsdp1_post_sockets_fault"))
+def test_backward_post_prefetches_and_nothing_is_said(v3b_capture):
+    rep = build_report(v3b_capture("fsdp1_post_sockets_fault"))
     assert fsdp_prefetch.CODE not in [c["code"] for c in rep["causes"] + rep.get("minor", [])]
-    for rt in capture("fsdp1_post_sockets_fault").ranks:
+    for rt in v3b_capture("fsdp1_post_sockets_fault").ranks:
         found = fsdp_prefetch.backward_gathers(analyse_rank(rt, None, 15)[1])
         # from the post-backward hooks, but a step's first (no unit computed before it)
         assert found["prefetched"] == (BLOCKS - 1) * STEPS and len(found["ops"]) == STEPS
 
 
-def test_the_cause_prices_the_reordered_collectives_near_the_measured_fix(capture, monkeypatch):
+def test_the_cause_prices_the_reordered_collectives_near_the_measured_fix(v3b_capture, monkeypatch):
     seen: dict = {}
     detect = fsdp_prefetch.detect_job
 
@@ -64,7 +58,7 @@ def test_the_cause_prices_the_reordered_collectives_near_the_measured_fix(captur
         seen["facts"] = facts
         return detect(facts, pricer)
     monkeypatch.setattr(fsdp_prefetch, "detect_job", keep)
-    rep = build_report(capture("fsdp1_prefetch_sockets_fault"))
+    rep = build_report(v3b_capture("fsdp1_prefetch_sockets_fault"))
     codes = [c["code"] for c in rep["causes"]]
     # the sockets are the larger loss (the same job over NVLink is 58 % faster); the order second
     assert codes[:2] == ["SLOW_INTERCONNECT", fsdp_prefetch.CODE]
@@ -88,8 +82,8 @@ def test_the_cause_prices_the_reordered_collectives_near_the_measured_fix(captur
         assert (tr.o_end[gathers] < base[f.rank].trace.o_end[gathers]).sum() >= (BLOCKS - 1) * STEPS
 
 
-def test_over_nvlink_the_order_costs_nothing_and_nothing_is_said(capture):
-    rep = build_report(capture("fsdp1_prefetch_fault"))
+def test_over_nvlink_the_order_costs_nothing_and_nothing_is_said(v3b_capture):
+    rep = build_report(v3b_capture("fsdp1_prefetch_fault"))
     assert fsdp_prefetch.CODE not in [c["code"] for c in rep["causes"]]
     # found and priced, below a percent of the step: the collectives are too short to matter
     minor = [c for c in rep.get("minor", []) if c["code"] == fsdp_prefetch.CODE]

@@ -9,7 +9,6 @@ fully_shard on the root only (one unit, nothing re-gathered), faster than per bl
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from aiprof.analysis.hotspots import OP
 from aiprof.diagnosis.causes import fsdp_regather, launch_bound
@@ -21,13 +20,8 @@ STEPS, BLOCKS = 3, 6
 MEASURED = 1 - 54.92 / 59.26
 
 
-@pytest.fixture(scope="module")
-def capture(data_capture):
-    return lambda name: data_capture(f"v3b/{name}")
-
-
-def test_every_block_is_gathered_again_in_backward_and_the_root_is_not(capture):
-    for rt in capture("fsdp_reshard_fault").ranks:
+def test_every_block_is_gathered_again_in_backward_and_the_root_is_not(v3b_capture):
+    for rt in v3b_capture("fsdp_reshard_fault").ranks:
         f = analyse_rank(rt, None, 15)[1]
         ts, end, tid, gather, modules = fsdp_regather.regathers(f)
         # per step and block: its all-gather and its copy-out, once more in backward
@@ -39,13 +33,13 @@ def test_every_block_is_gathered_again_in_backward_and_the_root_is_not(capture):
         assert (wts <= ts).all() and (wend >= end).all() and ((wend - wts) > (end - ts)).all()
 
 
-def test_with_reshard_after_forward_false_nothing_is_gathered_twice(capture):
-    f = analyse_rank(capture("fsdp_reshard_fix").ranks[0], None, 15)[1]
+def test_with_reshard_after_forward_false_nothing_is_gathered_twice(v3b_capture):
+    f = analyse_rank(v3b_capture("fsdp_reshard_fix").ranks[0], None, 15)[1]
     assert len(fsdp_regather.regathers(f)[0]) == 0
 
 
-def test_the_cause_keeps_the_parameters_and_prices_the_regathers(capture):
-    rep = build_report(capture("fsdp_reshard_fault"))
+def test_the_cause_keeps_the_parameters_and_prices_the_regathers(v3b_capture):
+    rep = build_report(v3b_capture("fsdp_reshard_fault"))
     c = next(x for x in rep["causes"] if x["code"] == fsdp_regather.CODE)
     assert c["rank"] is None and c["evidence"]["regathers_per_step"] == BLOCKS
     # the evidence is FSDP2's annotations: the remedy names FSDP2's setting and no FSDP1 one
@@ -57,22 +51,22 @@ def test_the_cause_keeps_the_parameters_and_prices_the_regathers(capture):
     assert MEASURED / 2 <= c["saving"]["share"] <= MEASURED
 
 
-def test_the_fix_has_no_regather_and_the_compute_bound_job_hides_them(capture):
-    rep = build_report(capture("fsdp_reshard_fix"))
+def test_the_fix_has_no_regather_and_the_compute_bound_job_hides_them(v3b_capture):
+    rep = build_report(v3b_capture("fsdp_reshard_fix"))
     assert fsdp_regather.CODE not in {c["code"] for c in rep["causes"] + rep["minor"]}
     # at 192 sequences the re-gathers are there, but the GPU's compute hides them (0.8 % measured):
     # at most a minor item, and the job is healthy
-    rep = build_report(capture("fsdp_reshard_fault_b192"))
+    rep = build_report(v3b_capture("fsdp_reshard_fault_b192"))
     assert fsdp_regather.CODE not in {c["code"] for c in rep["causes"]}
     assert all(c["saving"]["share"] < MEDIUM_SHARE for c in rep["minor"] if c["code"] == fsdp_regather.CODE)
     assert rep["verdict"]["healthy"]
 
 
-def test_one_unit_for_the_whole_model_is_quiet(capture):
+def test_one_unit_for_the_whole_model_is_quiet(v3b_capture):
     """Root-only wrapping gathers every parameter once per step and keeps it to the backward: no
     re-gather, and on this host-bound job fewer FSDP hooks (34.0 against 49.3 ms a step, medians):
     the report stays quiet about it."""
-    cap = capture("fsdp_wrap_fault")
+    cap = v3b_capture("fsdp_wrap_fault")
     for rt in cap.ranks:
         assert len(fsdp_regather.regathers(analyse_rank(rt, None, 15)[1])[0]) == 0
     rep = build_report(cap)
@@ -80,21 +74,21 @@ def test_one_unit_for_the_whole_model_is_quiet(capture):
     assert fsdp_regather.CODE not in {c["code"] for c in rep["causes"] + rep["minor"]}
 
 
-def test_launch_bound_on_fsdp_does_not_offer_one_graph_of_the_step(capture):
+def test_launch_bound_on_fsdp_does_not_offer_one_graph_of_the_step(v3b_capture):
     """The host-bound FSDP job is also LAUNCH_BOUND; FSDP's hooks run between its blocks, so the
     remedy is per block (compile each, or more work per rank), never one CUDA graph of the step."""
-    rep = build_report(capture("fsdp_reshard_fault"))
+    rep = build_report(v3b_capture("fsdp_reshard_fault"))
     lb = [c for c in rep["causes"] + rep["minor"] if c["code"] == "LAUNCH_BOUND"]
     assert lb
     for c in lb:
         assert "FSDP's hooks" in c["remedy"] and "make_graphed_callables" not in c["remedy"]
 
 
-def test_launch_bound_on_compiled_fsdp_blocks_asks_for_more_work_per_rank(capture):
+def test_launch_bound_on_compiled_fsdp_blocks_asks_for_more_work_per_rank(v3b_capture):
     """The same job with each block's forward compiled (fsdp_compile_fix, call 7: 50.1 -> 45.8 ms a
     step, noisy; its rank 2 alone, the rank LAUNCH_BOUND is on): still host-bound, its launches now
     mostly from the compiled code. The remedy names them and no compile or graph it already has."""
-    rep = build_report(capture("fsdp_compile_fix_rank2"))
+    rep = build_report(v3b_capture("fsdp_compile_fix_rank2"))
     lbs = [c for c in rep["causes"] + rep["minor"] if c["code"] == "LAUNCH_BOUND"]
     assert lbs
     for lb in lbs:
@@ -103,11 +97,11 @@ def test_launch_bound_on_compiled_fsdp_blocks_asks_for_more_work_per_rank(captur
         assert "compile each wrapped module" not in lb["remedy"] and "make_graphed_callables" not in lb["remedy"]
 
 
-def test_launch_bound_leaves_fsdp_hooks_and_collectives_on_the_host(capture):
+def test_launch_bound_leaves_fsdp_hooks_and_collectives_on_the_host(v3b_capture):
     """A graph of the model does not replay FSDP's unshard, reshard and reduce-scatter: the launches
     they make (the all-gather's copy-in and copy-out, the collectives) stay outside LAUNCH_BOUND's
     region, and so does their host time. The trace has such launches, so the exclusion is tested."""
-    f = analyse_rank(capture("fsdp_reshard_fault").ranks[0], None, 15)[1]
+    f = analyse_rank(v3b_capture("fsdp_reshard_fault").ranks[0], None, 15)[1]
     fsdp = f.under(f.node_mask(lambda s: s.startswith(("FSDP::", "fsdp::", "c10d::", "nccl:"))))
     launches = f.actions_in(fsdp) & (f.graph.a_kind == LAUNCH)
     assert launches.sum() >= 2 * BLOCKS * STEPS  # each block's all-gather copy-in and copy-out, at least

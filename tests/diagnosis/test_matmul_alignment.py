@@ -5,7 +5,6 @@ H100, captured with `aiprof run --skip 10 --iterations 3 --what kernels,python,s
 eager attention (hfattn_*) for EAGER_ATTENTION on a model file it was not written against."""
 from __future__ import annotations
 
-import pytest
 
 from aiprof.diagnosis.causes import matmul_alignment
 from aiprof.pipeline import analyse_rank, build_report
@@ -13,11 +12,6 @@ from aiprof.pipeline import analyse_rank, build_report
 STEPS = 3
 VOCAB_MEASURED = 1 - 44.67 / 70.72
 HFATTN_MEASURED = 1 - 24.03 / 43.75
-
-
-@pytest.fixture(scope="module")
-def capture(data_capture):
-    return lambda name: data_capture(f"v3b/{name}")
 
 
 def within(pred: float, meas: float, factor: float = 1.5) -> bool:
@@ -35,8 +29,8 @@ def test_kernel_names_give_the_operand_alignment():
     assert not matmul_alignment.misaligned("void at::native::vectorized_elementwise_kernel<8, copy_align1>")
 
 
-def test_the_lm_head_of_50257_tokens_is_three_slow_products_a_step(capture):
-    f = analyse_rank(capture("vocab_fault").ranks[0], None, 15)[1]
+def test_the_lm_head_of_50257_tokens_is_three_slow_products_a_step(v3b_capture):
+    f = analyse_rank(v3b_capture("vocab_fault").ranks[0], None, 15)[1]
     calls = matmul_alignment._calls(f)
     bad = [c for c in calls.values() if c["bad"]]
     # the head's forward product and its two backward ones (input and weight gradients), every step
@@ -45,8 +39,8 @@ def test_the_lm_head_of_50257_tokens_is_three_slow_products_a_step(capture):
     assert not any(c["bad"] for c in calls.values() if 50257 not in matmul_alignment._odd_dims(c["dims"]))
 
 
-def test_the_cause_names_the_dimension_and_its_saving_is_the_measured_one(capture):
-    rep = build_report(capture("vocab_fault"))
+def test_the_cause_names_the_dimension_and_its_saving_is_the_measured_one(v3b_capture):
+    rep = build_report(v3b_capture("vocab_fault"))
     c = rep["causes"][0]
     assert c["code"] == matmul_alignment.CODE
     assert "dimension 50257 not a multiple of 8" in c["title"] and "50304" in c["remedy"]
@@ -54,18 +48,18 @@ def test_the_cause_names_the_dimension_and_its_saving_is_the_measured_one(captur
     assert within(c["saving"]["share"], VOCAB_MEASURED)
 
 
-def test_the_padded_vocabulary_is_aligned(capture):
-    f = analyse_rank(capture("vocab_fix").ranks[0], None, 15)[1]
+def test_the_padded_vocabulary_is_aligned(v3b_capture):
+    f = analyse_rank(v3b_capture("vocab_fix").ranks[0], None, 15)[1]
     assert not any(c["bad"] for c in matmul_alignment._calls(f).values())
-    rep = build_report(capture("vocab_fix"))
+    rep = build_report(v3b_capture("vocab_fix"))
     assert matmul_alignment.CODE not in {c["code"] for c in rep["causes"] + rep["minor"]}
 
 
-def test_transformers_eager_attention_is_found_in_a_model_file_it_was_not_written_against(capture):
-    rep = build_report(capture("hfattn_fault"))
+def test_transformers_eager_attention_is_found_in_a_model_file_it_was_not_written_against(v3b_capture):
+    rep = build_report(v3b_capture("hfattn_fault"))
     c = rep["causes"][0]
     assert c["code"] == "EAGER_ATTENTION" and c["evidence"]["attentions_per_step"] == 6
     assert 'attn_implementation="sdpa"' in c["remedy"]
     assert within(c["saving"]["share"], HFATTN_MEASURED)
-    fix = build_report(capture("hfattn_fix"))
+    fix = build_report(v3b_capture("hfattn_fix"))
     assert "EAGER_ATTENTION" not in {x["code"] for x in fix["causes"] + fix["minor"]}

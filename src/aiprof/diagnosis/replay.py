@@ -201,6 +201,16 @@ def _action_shape(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return hit[1]
 
 
+def issue_order(g: Graph, launch_at: dict) -> np.ndarray:
+    """The ops in the order they are issued once ``launch_at`` (``Edit.launch_at``: op -> the
+    action that issues it) applies: by issuing action, an action's own ops before those it takes
+    over, each in its recorded order. Element k is the op issued k-th."""
+    action = g.o_action.copy()
+    for j, a in launch_at.items():
+        action[j] = a
+    return np.argsort(action, kind="stable")
+
+
 def _reissued(g: Graph, launch_at: dict, lists: tuple, per_op: tuple, deps: dict
               ) -> tuple[np.ndarray, tuple, tuple, dict, tuple]:
     """The replay's inputs with ops issued by other actions (``Edit.launch_at``): ops renumbered
@@ -210,14 +220,13 @@ def _reissued(g: Graph, launch_at: dict, lists: tuple, per_op: tuple, deps: dict
     lists, the per-op lists and the dependencies renumbered, and the actions' shape (as
     :func:`_action_shape`) for the new issue order."""
     kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams = lists
-    action = g.o_action.copy()
-    for j, a in launch_at.items():
-        action[j] = a
-    order = np.argsort(action, kind="stable")
+    order = issue_order(g, launch_at)
     inv = np.empty_like(order)
     inv[order] = np.arange(len(order))
     ordl, invl = order.tolist(), inv.tolist()
-    new_act = action[order]
+    new_act = g.o_action[order]
+    for j, a in launch_at.items():
+        new_act[invl[j]] = a
     oact = new_act.tolist() + [-1]
     wait_l = [invl[w] if w >= 0 else w for w in wait_l]
     ostream, odelay, ocoll = ([v[k] for k in ordl] for v in (ostream, odelay, ocoll))
@@ -225,7 +234,7 @@ def _reissued(g: Graph, launch_at: dict, lists: tuple, per_op: tuple, deps: dict
     deps = {invl[j]: [invl[d] for d in ds] for j, ds in deps.items()}
     n_of = np.bincount(new_act, minlength=g.n_actions)[:g.n_actions]
     first_of = np.minimum(np.searchsorted(new_act, np.arange(g.n_actions), side="left"), max(g.n_ops - 1, 0))
-    bulk = (g.a_kind < STEP) & (np.asarray(wait_l) < 0)
+    bulk = _action_shape(g)[2]  # which actions wait or are markers: the same whatever the ops' order
     return order, (kind_l, wait_l, oact, ostream, odelay, acoll, ocoll, n_streams), per_op, deps, (n_of, first_of, bulk)
 
 

@@ -34,8 +34,8 @@ from aiprof.diagnosis.causes.common import inside_intervals, ms, named_intervals
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.model import GPU_IDLE, Cause, Claim, Place
-from aiprof.diagnosis.replay import Edit
-from aiprof.trace.classify import COMMUNICATION, collective_type, kernel_class
+from aiprof.diagnosis.replay import Edit, issue_order
+from aiprof.trace.classify import COMMUNICATION, collective_type
 
 CODE = "FSDP_NO_BACKWARD_PREFETCH"
 #: FSDP1's record_function names (torch/distributed/fsdp/_runtime_utils.py)
@@ -47,22 +47,17 @@ _PREFETCHES = (_PREFETCH, "FullyShardedDataParallel._post_backward_prefetch")
 MIN_GATHERS_PER_STEP = 2
 
 
-def _kernel_names(f: RankFacts) -> list[str]:
-    k = f.rt.kernels
-    return k.strings("name").values().tolist() if len(k) else []
-
-
 def _comm_ops(f: RankFacts) -> tuple[np.ndarray, np.ndarray]:
-    """The graph's NCCL kernels (ops, in issue order) and which of them are all-gathers."""
-    g = f.graph
-    names = _kernel_names(f)
-    comm, gather = [], []
-    for j in np.nonzero(g.o_table == 0)[0].tolist():
-        name = names[g.o_row[j]]
-        if kernel_class(name) == COMMUNICATION:
-            comm.append(j)
-            gather.append(collective_type(name) == "AllGather")
-    return np.asarray(comm, np.int64), np.asarray(gather, bool)
+    """The graph's NCCL kernels (ops, in issue order; the ingest's class of each kernel) and which
+    of them are all-gathers."""
+    g, k = f.graph, f.rt.kernels
+    kern = np.nonzero(g.o_table == 0)[0]
+    if not len(kern) or not len(k):
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    comm = kern[k.strings("cls").isin_labels(lambda s: s == COMMUNICATION)[g.o_row[kern]]]
+    names = k.strings("name")
+    gather = np.array([collective_type(names.labels[c]) == "AllGather" for c in names.codes[g.o_row[comm]]], bool)
+    return comm.astype(np.int64), gather
 
 
 def backward_gathers(f: RankFacts) -> dict:
@@ -128,11 +123,8 @@ def _edit(f: RankFacts) -> Edit:
     found = backward_gathers(f)
     moved = {int(j): int(a) for j, a in zip(found["ops"].tolist(), found["at"].tolist()) if a >= 0}
     e.launch_at = moved
-    action = g.o_action.copy()
-    for j, a in moved.items():
-        action[j] = a
     issue = np.empty(g.n_ops, np.int64)
-    issue[np.argsort(action, kind="stable")] = np.arange(g.n_ops)  # each op's place in the new order
+    issue[issue_order(g, moved)] = np.arange(g.n_ops)  # each op's place in the new order
     comm, _ = _comm_ops(f)
     comm = comm[np.argsort(issue[comm], kind="stable")]
     deps: dict[int, list[int]] = {}
