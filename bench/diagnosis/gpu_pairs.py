@@ -489,6 +489,18 @@ def gelu_new():
     return make, "UNFUSED_POINTWISE", 'activation_function="gelu_pytorch_tanh"'
 
 
+def compile_gpt2():
+    """The healthy GPT-2 job (healthy_gpt2, eager) against the same model under torch.compile
+    (default mode; compiled in the warm-up steps): what the fusion UNCOMPILED_KERNEL_RUNS prices
+    saves on the base of the training pairs, a model it was not fitted on."""
+    def make(fault):
+        model, opt, x = base_job()
+        if not fault:
+            model = torch.compile(model)
+        return lambda i: train_step(model, opt, x)
+    return make, "UNCOMPILED_KERNEL_RUNS", "torch.compile(model)"
+
+
 def healthy_compiled():
     def make(fault):
         torch.manual_seed(0)
@@ -525,6 +537,7 @@ PAIRS = {
     "healthy_gpt2": healthy_gpt2,
     "gelu_new": gelu_new,
     "graphed_gpt2": graphed_gpt2,
+    "compile_gpt2": compile_gpt2,
     "healthy_compiled": healthy_compiled,
 }
 HEALTHY = ("healthy_gpt2", "healthy_compiled")

@@ -16,6 +16,8 @@ Cases (fault -> fix):
                 WARM steps, which the capture's --skip WARM lets pass): is LAUNCH_BOUND honest?
   ddp_uneven    4-rank DDP; rank 0's sequences are twice as long -> equal lengths
   ddp_healthy   4-rank DDP, no fault
+  ddp_compile   4-rank DDP, eager (= ddp_healthy) -> torch.compile of the DDP model (DDP's graph split at
+                its buckets): what UNCOMPILED_KERNEL_RUNS prices, on a job whose ranks all-reduce
   fsdp_healthy  4-rank FSDP2 (fully_shard per block), no fault
 
 GPU-kernel cases (issue 29), on a nanoGPT-style model (its attention through
@@ -49,6 +51,9 @@ F.scaled_dot_product_attention) at 48 sequences unless --batch says otherwise (G
                 (a range pushed per op, no Nsight attached) -> without it: a debugging API left on
   hfattn        transformers' GPT-2 (6 layers of 512, vocabulary 8192, GELU tanh) with
                 attn_implementation="eager" -> "sdpa": a model file aiprof was not written against
+  compile_hf    hfattn's fix (transformers' GPT-2, sdpa; eager) -> torch.compile(model)
+  compile_resnet channels' fix (the channels_last ResNet; eager) -> torch.compile(model): what fusion
+                saves on two more healthy jobs, models the fusion price was not fitted on
 
 Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch sequences per rank:
   fsdp_reshard  FSDP2 fully_shard per block with reshard_after_forward=True (the default: every block's
@@ -93,7 +98,7 @@ LIVE_OBJECTS = 3_000_000
 DROPOUT = 0.1  # attention-probability dropout, in both variants of the attention case
 #: the cases on the nanoGPT-style model (NanoBlock), and their default sequences per step
 NANO_CASES = ("pointwise", "attention", "gate", "tf32", "anomaly", "zerograd", "compile", "h2d", "gradnorm",
-              "emptycache", "lncompile", "vocab", "hfattn")
+              "emptycache", "lncompile", "vocab", "hfattn", "compile_hf")
 NANO_BATCH = 48
 #: GPT-2's vocabulary, and nanoGPT's padding of it to a multiple of 64 (the vocab case)
 GPT2_VOCAB, PADDED_VOCAB = 50257, 50304
@@ -269,18 +274,20 @@ def main() -> None:
                              written=fault and a.case == "pointwise",
                              gate=("written" if fault else "fused") if a.case == "gate" else "")
     vocab = (GPT2_VOCAB if fault else PADDED_VOCAB) if a.case == "vocab" else VOCAB
-    if a.case in ("channels", "cudnnbench"):
+    resnet = a.case in ("channels", "cudnnbench", "compile_resnet")
+    if resnet:
         model = ResNet().to(dev)
-        if not fault or a.case == "cudnnbench":
+        if not fault or a.case in ("cudnnbench", "compile_resnet"):
             model = model.to(memory_format=torch.channels_last)
         if a.case == "cudnnbench":
             torch.backends.cudnn.benchmark = not fault
-    elif a.case == "hfattn":
+    elif a.case in ("hfattn", "compile_hf"):
         from transformers import AutoModelForCausalLM, GPT2Config
 
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=2 * seq, n_embd=512, n_layer=6, n_head=8,
                          activation_function="gelu_pytorch_tanh", bos_token_id=0, eos_token_id=0)
-        model = Logits(AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if fault else "sdpa")).to(dev)
+        eager = fault and a.case == "hfattn"
+        model = Logits(AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if eager else "sdpa")).to(dev)
     else:
         model = GPT(vocab=vocab, seq=2 * seq, block=block, written_norm=fault and a.case == "pointwise").to(dev)
     autocast = not (a.case == "tf32")  # the tf32 case runs in fp32: TF32 is its only difference
@@ -290,7 +297,7 @@ def main() -> None:
         torch.autograd.set_detect_anomaly(True)
     if a.case == "dataparallel" and fault:
         model = nn.DataParallel(model)  # one process: the model replicated to every visible GPU each step
-    elif a.case in ("ddp_uneven", "ddp_healthy", "ddp_unused", "dataparallel"):
+    elif a.case in ("ddp_uneven", "ddp_healthy", "ddp_unused", "dataparallel", "ddp_compile"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
@@ -316,7 +323,7 @@ def main() -> None:
     graphs = a.case == "launch" and not fault
     if graphs:  # the optimizer stays eager, as in the fault; only the forward/backward is graphed
         model = torch.compile(model, mode="reduce-overhead")
-    if a.case == "compile" and not fault:
+    if a.case in ("compile", "compile_hf", "compile_resnet", "ddp_compile") and not fault:
         model = torch.compile(model)
     if a.case == "lncompile" and not fault:
         for b in model.blocks:
@@ -331,9 +338,9 @@ def main() -> None:
     # DataParallel splits one batch over the GPUs: as many sequences in all as the DDP ranks have
     rows = batch * torch.cuda.device_count() if a.case == "dataparallel" and fault and not a.cpu else batch
     x = torch.randint(0, 8192, (rows, n_seq), device=dev)
-    if a.case in ("channels", "cudnnbench"):  # images and their labels, made once on the GPU
+    if resnet:  # images and their labels, made once on the GPU
         images = torch.randn(a.batch or CHANNELS_BATCH, 3, 224, 224, device=dev)
-        if not fault or a.case == "cudnnbench":
+        if not fault or a.case in ("cudnnbench", "compile_resnet"):
             images = images.contiguous(memory_format=torch.channels_last)
         labels = torch.randint(0, 1000, (images.shape[0],), device=dev)
     heap = [[i] for i in range(LIVE_OBJECTS)] if a.case == "gc" else None
@@ -354,7 +361,7 @@ def main() -> None:
             time.sleep(STALL_S)
         feats = features.to(dev, non_blocking=not fault) if features is not None else None
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            if a.case in ("channels", "cudnnbench"):
+            if resnet:
                 loss = nn.functional.cross_entropy(model(images).float(), labels)
             else:
                 logits = model(x, feats) if feats is not None else model(x)

@@ -60,9 +60,10 @@ def test_the_cause_prices_the_reordered_collectives_near_the_measured_fix(v3b_ca
     monkeypatch.setattr(fsdp_prefetch, "detect_job", keep)
     rep = build_report(v3b_capture("fsdp1_prefetch_sockets_fault"))
     codes = [c["code"] for c in rep["causes"]]
-    # the sockets are the larger loss (the same job over NVLink is 58 % faster); the order second
-    assert codes[:2] == ["SLOW_INTERCONNECT", fsdp_prefetch.CODE]
-    c = rep["causes"][1]
+    # the sockets are the larger loss (the same job over NVLink is 58 % faster); the order and the
+    # eager model's kernels (UNCOMPILED_KERNEL_RUNS, 14.9 %) next, a tenth of a point apart
+    assert codes[0] == "SLOW_INTERCONNECT" and set(codes[1:3]) == {fsdp_prefetch.CODE, "UNCOMPILED_KERNEL_RUNS"}
+    c = rep["causes"][codes.index(fsdp_prefetch.CODE)]
     assert c["rank"] is None and c["evidence"]["backward_gathers_per_step"] == BLOCKS
     assert "BackwardPrefetch.BACKWARD_PRE" in c["remedy"]
     assert MEASURED / FACTOR <= c["saving"]["share"] <= MEASURED * FACTOR

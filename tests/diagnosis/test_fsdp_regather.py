@@ -55,23 +55,25 @@ def test_the_fix_has_no_regather_and_the_compute_bound_job_hides_them(v3b_captur
     rep = build_report(v3b_capture("fsdp_reshard_fix"))
     assert fsdp_regather.CODE not in {c["code"] for c in rep["causes"] + rep["minor"]}
     # at 192 sequences the re-gathers are there, but the GPU's compute hides them (0.8 % measured):
-    # at most a minor item, and the job is healthy
+    # at most a minor item; what the report names is the eager blocks' kernels, which compiling each
+    # block's forward measured to save 17.3 % of this job (tests/data/v3b/README.txt)
     rep = build_report(v3b_capture("fsdp_reshard_fault_b192"))
     assert fsdp_regather.CODE not in {c["code"] for c in rep["causes"]}
     assert all(c["saving"]["share"] < MEDIUM_SHARE for c in rep["minor"] if c["code"] == fsdp_regather.CODE)
-    assert rep["verdict"]["healthy"]
+    assert [c["code"] for c in rep["causes"] if c["severity"] in ("high", "medium")] == ["UNCOMPILED_KERNEL_RUNS"]
 
 
 def test_one_unit_for_the_whole_model_is_quiet(v3b_capture):
     """Root-only wrapping gathers every parameter once per step and keeps it to the backward: no
     re-gather, and on this host-bound job fewer FSDP hooks (34.0 against 49.3 ms a step, medians):
-    the report stays quiet about it."""
+    the report stays quiet about it. What it lists is the eager blocks' kernels the compiler would
+    fuse (each block's forward compiled measured 8.5 % on the like fsdp_reshard job)."""
     cap = v3b_capture("fsdp_wrap_fault")
     for rt in cap.ranks:
         assert len(fsdp_regather.regathers(analyse_rank(rt, None, 15)[1])[0]) == 0
     rep = build_report(cap)
-    assert rep["verdict"]["healthy"]
-    assert fsdp_regather.CODE not in {c["code"] for c in rep["causes"] + rep["minor"]}
+    assert [c["code"] for c in rep["causes"] if c["severity"] in ("high", "medium")] == ["UNCOMPILED_KERNEL_RUNS"]
+    assert not {fsdp_regather.CODE, "FSDP_NO_BACKWARD_PREFETCH"} & {c["code"] for c in rep["causes"] + rep["minor"]}
 
 
 def test_launch_bound_on_fsdp_does_not_offer_one_graph_of_the_step(v3b_capture):

@@ -20,8 +20,11 @@ from aiprof.trace.store import open_capture
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 V3 = sorted(p.name for p in (DATA / "v3").iterdir() if p.is_dir())
-# the v3 captures with nothing to price on some rank: healthy (DDP, FSDP) or fixed (CUDA graphs)
+# the v3 captures with nothing to price on some rank: healthy (DDP, FSDP) or fixed (CUDA graphs),
+# but for their eager kernels the compiler would fuse (a job cause, priced on every rank at once;
+# compiling measured 27.8 and 17.3 % on these DDP and FSDP jobs, tests/data/v3b/README.txt)
 V3_QUIET = {"ddp_uneven_fix", "fsdp_healthy", "launch_fix"}
+V3_COMPILE = "UNCOMPILED_KERNEL_RUNS"
 PAIRS = json.loads((DATA / "diagnosis" / "pairs.json").read_text())["pairs"]
 # GPU-bound beyond the unprofiled step: the recorded GPU work alone is longer than the step the
 # agent measured, so the calibration cannot fit the replay to it (docs/findings.md, "Pricing")
@@ -115,7 +118,7 @@ def test_v3_savings_add_up_and_stay_within_the_step(tmp_path, name):
             if c["code"] in ("HOST_PREPROCESSING", "HOST_STALL", "HOST_SYNC", "LAUNCH_BOUND") and len(rows) == 1:
                 assert c["saving"]["per_step_us"] <= b["ceiling_us"] + 1e-6
     if name in V3_QUIET:  # nothing worth a line: the checks above had little or nothing to check
-        assert not [c for c in rep["causes"] if c["saving"]["share"] >= 0.03], rep["causes"]
+        assert not [c for c in rep["causes"] if c["saving"]["share"] >= 0.03 and c["code"] != V3_COMPILE], rep["causes"]
     else:  # a fault (or an unfixed job): some rank's own causes were priced and checked
         assert priced, f"{name}: no rank has a priced cause of its own"
 

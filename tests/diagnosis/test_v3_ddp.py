@@ -37,18 +37,25 @@ def test_the_straggler_is_named_by_its_longer_sequences(reports):
     assert sorted(c["evidence"]["straggler"]["waiting_ranks"]) == [1, 2, 3]
 
 
-def test_healthy_ddp_says_so_in_one_line(reports):
+def _worth_a_line(rep: dict) -> list[tuple]:
+    return [(c["code"], c["rank"]) for c in rep["causes"] if c["severity"] in ("high", "medium")]
+
+
+def test_healthy_ddp_names_only_its_eager_kernels(reports):
+    """Equal ranks: no straggler. What is left is the eager model, compiled on every rank at once
+    (a job cause): 16.2 % priced, 27.8 % measured (validate_v3.py's failing row: under-priced)."""
     rep = reports["ddp_uneven_fix"]
-    assert rep["verdict"]["healthy"] and rep["verdict"]["line"].startswith("Nothing to fix")
+    assert _worth_a_line(rep) == [("UNCOMPILED_KERNEL_RUNS", None)]
     assert not [s for s in rep["symptoms"] if s["orphan"]]
     assert not [c for c in rep["causes"] if c["code"] == "STRAGGLER"]
 
 
-def test_healthy_fsdp_says_so_in_one_line(reports):
+def test_healthy_fsdp_names_only_its_eager_kernels(reports):
     # FSDP2's all-gathers and reduce-scatters overlap the compute here; under the profiler rank 1's
     # host ran late (recorded 125 ms steps; unprofiled, rank 0 measured 83 ms): priced at the unprofiled
-    # step, neither that nor the exposed collectives is a cause
+    # step, neither that nor the exposed collectives is a cause. The eager blocks are (18.0 % priced,
+    # 17.3 % measured with each block's forward compiled)
     rep = reports["fsdp_healthy"]
-    assert rep["verdict"]["healthy"] and rep["verdict"]["line"].startswith("Nothing to fix"), \
+    assert _worth_a_line(rep) == [("UNCOMPILED_KERNEL_RUNS", None)], \
         [(c["code"], c["rank"], c["saving"]["share"]) for c in rep["causes"]]
     assert not [s for s in rep["symptoms"] if s["orphan"]]

@@ -314,7 +314,9 @@ def diagnose_rank(f: RankFacts, pricer: Pricer | None = None, coupled: bool = Fa
     # leaves their kernels to the cause whose fix removes them
     f.extra["owned_nodes"] = claimed
     f.extra["found"] = found  # what the detectors found so far, for those that run last
-    dets = registry.detectors(Scope.RANK, asked) + (() if coupled else registry.detectors(Scope.UNCOUPLED, asked))
+    # in registry order across both scopes: an uncoupled detector sees the regions the rank
+    # detectors before it claimed, and those after it see its own
+    dets = registry.detectors((Scope.RANK,) if coupled else (Scope.RANK, Scope.UNCOUPLED), asked)
     generic: list[Cause] = []
     for det in sorted(dets, key=lambda d: d.last):
         if det.generic:

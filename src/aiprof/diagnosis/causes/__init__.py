@@ -41,6 +41,7 @@ from aiprof.diagnosis.causes import (
     straggler,
     sync_checkpoint,
     syscall_blocked,
+    uncompiled_runs,
     unexplained,
     unfused_optimizer,
     unfused_pointwise,
@@ -81,11 +82,14 @@ REGISTRY: tuple[Detector, ...] = (
     unfused_pointwise.DETECTOR,
     conv_layout.DETECTOR,
     idle_sms.DETECTOR,
+    # what the compiler fuses once the specific kernel causes above have made their fixes
+    uncompiled_runs.ON_ONE_RANK,
     # one process driving several GPUs: its host is LAUNCH_BOUND's symptom, one process per GPU the fix
     data_parallel.DETECTOR,
     decode_launch_bound.DETECTOR,
     launch_bound.DETECTOR,
     slow_interconnect.ON_ONE_RANK,
+    uncompiled_runs.DETECTOR,
     fsdp_regather.DETECTOR,
     fsdp_prefetch.DETECTOR,
     grad_accum.DETECTOR,
@@ -107,8 +111,9 @@ def experimental_asked() -> frozenset[str]:
     return frozenset(c.strip() for c in os.environ.get(EXPERIMENTAL_ENV, "").split(",") if c.strip())
 
 
-def detectors(scope: Scope, asked: frozenset[str] | None = None) -> tuple[Detector, ...]:
-    """The detectors of ``scope`` to run, in registry order: the validated ones and the
-    experimental ones ``asked`` for (default: $AIPROF_EXPERIMENTAL_CAUSES)."""
+def detectors(scope: Scope | tuple[Scope, ...], asked: frozenset[str] | None = None) -> tuple[Detector, ...]:
+    """The detectors of ``scope`` (one, or several together) to run, in registry order: the
+    validated ones and the experimental ones ``asked`` for (default: $AIPROF_EXPERIMENTAL_CAUSES)."""
     asked = experimental_asked() if asked is None else asked
-    return tuple(d for d in REGISTRY if d.scope == scope and (not d.experimental or d.code in asked))
+    scopes = scope if isinstance(scope, tuple) else (scope,)
+    return tuple(d for d in REGISTRY if d.scope in scopes and (not d.experimental or d.code in asked))

@@ -194,6 +194,27 @@ def owned_actions(f: RankFacts) -> np.ndarray:
     return out
 
 
+def owned_before(f: RankFacts, code: str) -> np.ndarray:
+    """Per replay action: in a host region owned by a cause found before ``code``'s first
+    detector in registry order (as :func:`owned_actions` is at that detector's turn, also when it
+    is asked later: a job detector's per-rank condition is computed after every rank detector)."""
+    from aiprof.diagnosis.causes import REGISTRY  # the registry imports this module
+
+    order: dict[str, int] = {}
+    for i, d in enumerate(REGISTRY):
+        order.setdefault(d.code, i)
+    mine = order.get(code, len(REGISTRY))
+    an = f.action_nodes()
+    owned = np.zeros(len(f.tree), dtype=bool)
+    for c in f.extra.get("found", []):
+        if order.get(c.code, len(REGISTRY)) < mine and c.region is not None and len(c.region) == len(owned):
+            owned |= c.region
+    out = np.zeros(len(an), dtype=bool)
+    ok = an >= 0
+    out[ok] = owned[an[ok]]
+    return out
+
+
 def named_intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ts, end, tid) of the rows of ``table`` whose name satisfies ``pred``."""
     names = table.strings("name")

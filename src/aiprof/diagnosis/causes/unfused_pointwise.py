@@ -87,7 +87,7 @@ def chains(f: RankFacts) -> list[np.ndarray]:
     return out
 
 
-def _site_node(f: RankFacts, op_node: int) -> int:
+def site_node(f: RankFacts, op_node: int) -> int:
     """The node whose Python site names a chain: its op, or for a backward op the forward op it
     differentiates (the backward thread has no Python frames)."""
     if op_node < 0 or f.tree.user_site(op_node):
@@ -116,7 +116,7 @@ def detect(f: RankFacts) -> list[Cause]:
         ns = float(g.o_dur[run].sum())
         chain_ns += ns
         kept_ns += float(g.o_dur[keep])
-        site = _site_node(f, int(ko.op_node[run[0]]))
+        site = site_node(f, int(ko.op_node[run[0]]))
         by_site[site] = by_site.get(site, 0.0) + ns
         for i in run.tolist():
             node = int(ko.op_node[i])
