@@ -60,6 +60,11 @@ SDPA_MASK_INPUT = 3
 DENSE_MASK_FACTOR = 2.0
 
 
+def _is_sdpa(name: str) -> bool:
+    """One function, not a lambda per call: RankFacts.node_mask caches by the predicate."""
+    return name == SDPA_OP
+
+
 def _is_module_frame(name: str) -> bool:
     """A module's call: its ``forward`` frame, or the profiler's ``nn.Module:`` event."""
     return name.startswith(MODULE_EVENT_PREFIX) or python_frame(name)[1] == "forward"
@@ -92,7 +97,7 @@ def causal_sdpa_in_transformers(f: RankFacts) -> np.ndarray:
     out = np.zeros(g.n_ops, dtype=bool)
     if not g.n_ops or not len(t) or "input_dims" not in o:
         return out
-    calls = np.nonzero(f.node_mask(lambda s: s == SDPA_OP, (OP,)))[0]
+    calls = np.nonzero(f.node_mask(_is_sdpa, (OP,)))[0]
     dims = o.strings("input_dims")
     causal = np.zeros(len(t), dtype=bool)
     for node in calls.tolist():
