@@ -194,6 +194,18 @@ def owned_actions(f: RankFacts) -> np.ndarray:
     return out
 
 
+def stream_runs(g, member: np.ndarray, min_len: int = 1) -> list[np.ndarray]:
+    """The maximal runs of consecutive member ops of the replay graph ``g`` on one stream (graph op
+    indices each, in launch order; any other op between two breaks a run), of ``min_len`` ops or more."""
+    order = np.lexsort((np.arange(g.n_ops), g.o_stream))  # per stream, in launch order
+    m = member[order]
+    st = g.o_stream[order]
+    brk = np.r_[True, (m[1:] != m[:-1]) | (st[1:] != st[:-1])]  # membership or the stream changes
+    starts = np.nonzero(brk)[0]
+    ends = np.r_[starts[1:], len(order)]
+    return [order[a:b] for a, b in zip(starts.tolist(), ends.tolist()) if m[a] and b - a >= min_len]
+
+
 def owned_before(f: RankFacts, code: str) -> np.ndarray:
     """Per replay action: in a host region owned by a cause found before ``code``'s first
     detector in registry order (as :func:`owned_actions` is at that detector's turn, also when it

@@ -34,7 +34,7 @@ import numpy as np
 from aiprof.analysis.hotspots import OP, PYTHON
 from aiprof.analysis.rankdiff import parse_dims
 from aiprof.diagnosis.causes import conv_layout, eager_attention, unfused_pointwise
-from aiprof.diagnosis.causes.common import drop_kernels, ms, owned_before, python_frame, site_and_stack
+from aiprof.diagnosis.causes.common import drop_kernels, ms, owned_before, python_frame, site_and_stack, stream_runs
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.kernel_ops import backward_node_seq, forward_of, kernel_ops
@@ -138,13 +138,7 @@ def runs(f: RankFacts) -> list[np.ndarray]:
             member[chain] = False
         if conv_layout.conversions(f).any():
             member &= ~conv_layout.nchw_batch_norm(f)
-        order = np.lexsort((np.arange(g.n_ops), g.o_stream))  # per stream, in launch order
-        m = member[order]
-        st = g.o_stream[order]
-        brk = np.r_[True, (m[1:] != m[:-1]) | (st[1:] != st[:-1])]
-        starts = np.nonzero(brk)[0]
-        ends = np.r_[starts[1:], len(order)]
-        out = [order[a:b] for a, b in zip(starts.tolist(), ends.tolist()) if m[a] and b - a >= MIN_RUN_KERNELS]
+        out = stream_runs(g, member, MIN_RUN_KERNELS)
     f.extra["_uncompiled_runs"] = out
     return out
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from aiprof.analysis.hotspots import OP
 from aiprof.diagnosis.causes import eager_attention
-from aiprof.diagnosis.causes.common import drop_kernels, ms, owned_actions, site_and_stack
+from aiprof.diagnosis.causes.common import drop_kernels, ms, owned_actions, site_and_stack, stream_runs
 from aiprof.diagnosis.kernel_ops import backward_node_seq, forward_of, kernel_ops
 from aiprof.diagnosis.detector import Detector, Scope
 from aiprof.diagnosis.facts import RankFacts
@@ -67,17 +67,7 @@ def chains(f: RankFacts) -> list[np.ndarray]:
         # kernels launched in a host region an earlier cause owns (a for-loop optimizer's
         # per-tensor updates) are that cause's: its fix removes them
         member &= ~owned_actions(f)[g.o_action]
-        order = np.lexsort((np.arange(g.n_ops), g.o_stream))  # per stream, in launch order
-        m = member[order]
-        st = g.o_stream[order]
-        # run boundaries: membership changes or the stream changes
-        brk = np.r_[True, (m[1:] != m[:-1]) | (st[1:] != st[:-1])]
-        starts = np.nonzero(brk)[0]
-        ends = np.r_[starts[1:], len(order)]
-        for a, b in zip(starts.tolist(), ends.tolist()):
-            if not m[a] or b - a < MIN_FULL_PASSES:
-                continue
-            run = order[a:b]
+        for run in stream_runs(g, member, MIN_FULL_PASSES):
             top = int(ko.numel[run].max())
             full = ko.numel[run] >= FULL_SHARE * top
             if top <= 0 or int(full.sum()) < MIN_FULL_PASSES or int(ko.nbytes[run].max()) < MIN_PASS_BYTES:
