@@ -61,6 +61,8 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
   fsdp_wrap     FSDP2 fully_shard on the whole model only (one unit: every parameter all-gathered at the
                 forward's start and every gradient reduce-scattered after the backward, nothing to
                 overlap them with) -> fully_shard per block, then the root (= fsdp_healthy)
+  fsdp_units    fsdp_wrap reversed: fully_shard per block, then the root (= fsdp_healthy: seven units, each
+                with its hooks' host work every step) -> fully_shard on the whole model only (one unit)
   fsdp_compile  fsdp_reshard's fault (eager, host-bound at 48 sequences) -> each block's forward compiled
                 (torch.compile(block.forward), FSDP's hooks left eager): LAUNCH_BOUND's remedy on an FSDP job
   fsdp1_prefetch FSDP1 (FullyShardedDataParallel, one unit per block) with backward_prefetch=None -> the
@@ -301,12 +303,13 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
-    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile"):
+    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile", "fsdp_units"):
         from torch.distributed.fsdp import fully_shard
 
         # fsdp_reshard's fix keeps each block's gathered parameters from forward to backward;
-        # fsdp_wrap's fault has no unit but the root
-        for b in model.blocks if not (a.case == "fsdp_wrap" and fault) else ():
+        # fsdp_wrap's fault and fsdp_units' fix have no unit but the root
+        root_only = (a.case == "fsdp_wrap" and fault) or (a.case == "fsdp_units" and not fault)
+        for b in model.blocks if not root_only else ():
             if a.case == "fsdp_compile" and not fault:  # the block's compute compiled, FSDP's hooks around it eager
                 b.forward = torch.compile(b.forward)
             fully_shard(b, reshard_after_forward=not (a.case == "fsdp_reshard" and not fault))

@@ -22,6 +22,7 @@ from aiprof.diagnosis.causes import (
     eager_attention,
     fsdp_prefetch,
     fsdp_regather,
+    fsdp_units,
     grad_accum,
     host_preprocessing,
     host_sampling,
@@ -92,6 +93,7 @@ REGISTRY: tuple[Detector, ...] = (
     uncompiled_runs.DETECTOR,
     fsdp_regather.DETECTOR,
     fsdp_prefetch.DETECTOR,
+    fsdp_units.DETECTOR,
     grad_accum.DETECTOR,
     slow_interconnect.DETECTOR,
     # EXPOSED_BUCKET_COMM failed its validation pair: on two NVLink H200s, one 384 MB bucket vs

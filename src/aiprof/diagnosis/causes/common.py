@@ -235,6 +235,18 @@ def named_intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok]
 
 
+def actions_inside(f: RankFacts, outer: tuple) -> np.ndarray:
+    """Per replay action: a recorded call (runtime row) that starts inside one of the ``outer``
+    intervals (ts, end, tid) of its own thread."""
+    g, rt = f.graph, f.rt.runtime
+    acts = np.zeros(g.n_actions, dtype=bool)
+    real = np.nonzero(g.a_row >= 0)[0]
+    if len(real) and len(rt):
+        rows = g.a_row[real]
+        acts[real] = inside_intervals(np.asarray(rt["ts"])[rows], np.asarray(rt["tid"])[rows], outer)
+    return acts
+
+
 def inside_intervals(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarray:
     """Which of the events (``ts``, ``tid``) start inside one of the ``outer`` intervals of
     their own thread (``outer``: ts, end, tid, as from :func:`named_intervals`)."""

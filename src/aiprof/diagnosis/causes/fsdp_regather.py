@@ -26,7 +26,7 @@ import numpy as np
 
 from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.intervals import union
-from aiprof.diagnosis.causes.common import inside_intervals, ms, named_intervals
+from aiprof.diagnosis.causes.common import actions_inside, inside_intervals, ms, named_intervals
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
@@ -110,12 +110,7 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> Edi
     g = f.graph
     e = f.edit(CODE)
     e.gap_remove += f.gap_time_in(union(ts, end))
-    rt = f.rt.runtime
-    acts = np.zeros(g.n_actions, dtype=bool)
-    real = np.nonzero(g.a_row >= 0)[0]
-    if len(real) and len(rt):
-        rows = g.a_row[real]
-        acts[real] = inside_intervals(np.asarray(rt["ts"])[rows], np.asarray(rt["tid"])[rows], (ts, end, tid))
+    acts = actions_inside(f, (ts, end, tid))
     e.cost_remove[acts] = g.cost[acts]
     if g.n_ops:
         e.drop_op |= acts[g.o_action]
@@ -129,9 +124,16 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> Edi
     return e
 
 
-def _gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> float:
-    """Bytes per step the re-gathers produce (the all-gathers' outputs, from the collectives'
-    host records inside them): what the fix keeps in memory from forward to backward."""
+def regather_edit(f: RankFacts) -> Edit | None:
+    """This cause's fix on one rank (the re-gathers found, widened to FSDP's frames around them),
+    or None when the rank re-gathers nothing."""
+    ts, end, tid, _, _ = regathers(f)
+    return _edit(f, *_widen(f, ts, end, tid), tid) if len(ts) else None
+
+
+def gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> float:
+    """Bytes per step all-gathered inside the intervals (ts, end, tid): the all-gathers' outputs,
+    from the collectives' host records (for the re-gathers: what the fix keeps from forward to backward)."""
     c = f.rt.collectives
     if not len(c) or not len(ts):
         return 0.0
@@ -159,7 +161,7 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
     per = max(len(f0.steps), 1)
     gathers = round(int(gather.sum()) / per)
     host_ns = float((end - ts).sum()) / per
-    keep = _gathered_bytes(f0, ts, end, tid)
+    keep = gathered_bytes(f0, ts, end, tid)
     names = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
     memory = f" ({keep / _MIB:.0f} MiB per rank more at the end of forward, from this trace's all-gathers)" if keep else ""
     # a job cause names the symptoms it explains on every rank, amounts only for exposed
