@@ -63,6 +63,8 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
                 overlap them with) -> fully_shard per block, then the root (= fsdp_healthy)
   fsdp_units    fsdp_wrap reversed: fully_shard per block, then the root (= fsdp_healthy: seven units, each
                 with its hooks' host work every step) -> fully_shard on the whole model only (one unit)
+  fsdp_groups   the same per-block job -> fully_shard on each group of three blocks (a list of modules: one unit each),
+                then the root: three units instead of seven
   fsdp_compile  fsdp_reshard's fault (eager, host-bound at 48 sequences) -> each block's forward compiled
                 (torch.compile(block.forward), FSDP's hooks left eager): LAUNCH_BOUND's remedy on an FSDP job
   fsdp1_prefetch FSDP1 (FullyShardedDataParallel, one unit per block) with backward_prefetch=None -> the
@@ -99,6 +101,8 @@ FILE_BYTES = 256 << 20
 LIVE_OBJECTS = 3_000_000
 DROPOUT = 0.1  # attention-probability dropout, in both variants of the attention case
 #: the cases on the nanoGPT-style model (NanoBlock), and their default sequences per step
+# fsdp_groups' fix: blocks per FSDP unit
+GROUP_BLOCKS = 3
 NANO_CASES = ("pointwise", "attention", "gate", "tf32", "anomaly", "zerograd", "compile", "h2d", "gradnorm",
               "emptycache", "lncompile", "vocab", "hfattn", "compile_hf")
 NANO_BATCH = 48
@@ -303,13 +307,16 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
-    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile", "fsdp_units"):
+    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile", "fsdp_units", "fsdp_groups"):
         from torch.distributed.fsdp import fully_shard
 
         # fsdp_reshard's fix keeps each block's gathered parameters from forward to backward;
         # fsdp_wrap's fault and fsdp_units' fix have no unit but the root
         root_only = (a.case == "fsdp_wrap" and fault) or (a.case == "fsdp_units" and not fault)
-        for b in model.blocks if not root_only else ():
+        grouped = a.case == "fsdp_groups" and not fault
+        for g0 in range(0, len(model.blocks), GROUP_BLOCKS) if grouped else ():
+            fully_shard(list(model.blocks[g0:g0 + GROUP_BLOCKS]))  # one unit for the group's parameters
+        for b in model.blocks if not (root_only or grouped) else ():
             if a.case == "fsdp_compile" and not fault:  # the block's compute compiled, FSDP's hooks around it eager
                 b.forward = torch.compile(b.forward)
             fully_shard(b, reshard_after_forward=not (a.case == "fsdp_reshard" and not fault))

@@ -139,10 +139,12 @@ def test_fsdp_over_sockets(data_capture):
     sequences per rank with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 (all-gathers and
     reduce-scatters over sockets; tests/data/v3b/fsdp_sockets_fault, call 9): 99.2 ms a step
     unprofiled against 55.3 with NCCL's defaults (44.2 %, the rounds' ranges 85-114 and 50-67).
-    It comes first, on the recorded setting, within 1.5x; the re-gathers second."""
+    It comes first, on the recorded setting, within 1.5x; the FSDP units' hooks and the re-gathers
+    next (neither measured over sockets)."""
     rep = build_report(data_capture("v3b/fsdp_sockets_fault"))
-    first, second = rep["causes"][:2]
-    assert first["code"] == "SLOW_INTERCONNECT" and second["code"] == "FSDP_REGATHER"
+    first = rep["causes"][0]
+    assert first["code"] == "SLOW_INTERCONNECT"
+    assert [c["code"] for c in rep["causes"][1:3]] == ["FSDP_UNIT_HOOKS", "FSDP_REGATHER"]
     assert first["remedy"].startswith("This job ran with NCCL_P2P_DISABLE=1")
     measured = 1 - 55.3 / 99.2
     assert measured / 1.5 <= first["saving"]["share"] <= measured * 1.5

@@ -235,6 +235,15 @@ def named_intervals(table, pred) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ts, ts + np.asarray(table["dur"])[ok], np.asarray(table["tid"])[ok]
 
 
+#: a title names this many modules at most, then "and N more"
+NAMED_MODULES = 4
+
+
+def some_of(names: list[str], most: int = NAMED_MODULES) -> str:
+    """The first ``most`` names, then how many more: "blocks.0, blocks.1, blocks.2, blocks.3 and 2 more"."""
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def actions_inside(f: RankFacts, outer: tuple) -> np.ndarray:
     """Per replay action: a recorded call (runtime row) that starts inside one of the ``outer``
     intervals (ts, end, tid) of its own thread."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.intervals import union
-from aiprof.diagnosis.causes.common import actions_inside, inside_intervals, ms, named_intervals
+from aiprof.diagnosis.causes.common import actions_inside, inside_intervals, ms, named_intervals, some_of
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
@@ -124,6 +124,12 @@ def _edit(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> Edi
     return e
 
 
+def units_named(modules: list[str]) -> str:
+    """FSDP units for a title: a unit of several modules (``fully_shard([m1, m2])``, annotated
+    "m1, m2") in brackets, at most ``common.NAMED_MODULES`` of them."""
+    return some_of([f"[{m}]" if ", " in m else m for m in modules])
+
+
 def regather_edit(f: RankFacts) -> Edit | None:
     """This cause's fix on one rank (the re-gathers found, widened to FSDP's frames around them),
     or None when the rank re-gathers nothing."""
@@ -154,7 +160,7 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
         ts, end, tid, gather, modules = regathers(f)
         if not len(ts):
             return []
-        edits[f.rank] = _edit(f, *_widen(f, ts, end, tid), tid)
+        edits[f.rank] = regather_edit(f)
         found[f.rank] = (ts, end, tid, gather, modules)
     f0 = facts[0]
     ts, end, tid, gather, modules = found[f0.rank]
@@ -162,8 +168,9 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
     gathers = round(int(gather.sum()) / per)
     host_ns = float((end - ts).sum()) / per
     keep = gathered_bytes(f0, ts, end, tid)
-    names = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
-    memory = f" ({keep / _MIB:.0f} MiB per rank more at the end of forward, from this trace's all-gathers)" if keep else ""
+    names = units_named(modules)
+    memory = (f" ({keep / _MIB:.0f} MiB per rank more at the end of forward, from this trace's all-gathers)"
+              if keep else "")
     # a job cause names the symptoms it explains on every rank, amounts only for exposed
     # communication (pipeline.job_claims: what the job stage can know of ranks it has not in hand)
     claims = [Claim(GPU_IDLE, f.rank, 0.0) for f in facts]

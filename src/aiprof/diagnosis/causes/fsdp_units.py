@@ -121,7 +121,7 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
     per = max(len(f0.steps), 1)
     host_ns = union(ts, end).total / per
     gathered = _forward_gathered_bytes(f0)
-    names = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    names = fsdp_regather.units_named(modules)
     memory = (f": {gathered / _MIB:.0f} MiB of parameters per rank gathered at once instead of one unit's "
               "(this trace's forward all-gathers), and their gradients unsharded until the reduce-scatter"
               if gathered else "")
@@ -134,8 +134,9 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
                    "copies in and out, reshard, reduce-scatter with its copies, gradient accumulation): Python and "
                    "small ops on the host whatever the unit's size, paid once per unit every step. On a step bound "
                    "by its host, one unit per block pays them once per block."),
-        remedy=("Shard in fewer, larger units: call fully_shard on groups of blocks (several blocks in one "
-                "module) instead of each block, or on the root alone, if memory allows" + memory + ". Priced: "
+        remedy=("Shard in fewer, larger units: call fully_shard on groups of blocks instead of each block (a list "
+                "is one unit: fully_shard(list(blocks[i:i + k]))), or on the root alone, if memory allows" + memory
+                + ". Priced: "
                 "every unit merged into the root; each unit removed saves about its share. Or give each rank "
                 "more work per step (more sequences per rank), which hides the hooks behind the GPU."),
         place=Place("collective", f"FSDP hooks of {len(modules)} units ({names})", "", [], []),
