@@ -23,8 +23,8 @@ annotations removed with their calls' own cost and the host waits made there; th
 backward (FSDP_REGATHER's) not run, as the root keeps its parameters; every other copy and
 collective the units issued still runs on the GPU (the root moves the same bytes), launched when
 the host reaches it. The root's own hooks, now moving every parameter, are left as they are: a
-larger all-gather at the forward's start, with nothing to hide behind, is not priced (measured
-cheap over NVLink; over a slow interconnect the saving is an upper bound).
+larger all-gather at the forward's start, with nothing to hide behind, is not priced (not measured
+apart; over a slow interconnect the saving is an upper bound).
 """
 from __future__ import annotations
 
