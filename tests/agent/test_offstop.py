@@ -98,3 +98,24 @@ def test_clock_marker_keeps_the_tightest_bracket(monkeypatch):
     # brackets 7 ms, 0.9 ms, then 10 µs (good: stop there)
     assert names == ["aiprof::clock_sync#0", "aiprof::clock_sync#1", "aiprof::clock_sync#2"]
     assert got == {"marker_unix_ns": [20_000_000, 20_010_000], "marker_name": "aiprof::clock_sync#2"}
+
+
+def test_trace_offset_takes_the_base_the_marker_confirms():
+    """Kineto's ts are µs since the trace's baseTimeNanoseconds: inside the marker's bracket, the
+    base is the offset (the marker's midpoint is off by up to half its bracket); far outside it
+    (the trace on another clock), the marker's own offset is kept."""
+    from aiprof.agent.capture import CLOCK_BASE_SLACK_US, trace_offset
+
+    base_ns = 1_790_857_026_000_000_000
+    # a bracket of 8 ms (a preempted thread); the event was stamped 0.5 ms after the first read
+    t0 = base_ns + 5_000_000_000
+    ts = (t0 + 500_000) / 1000 - base_ns / 1000
+    got = trace_offset(ts, [t0, t0 + 8_000_000], "m#0", base_ns)
+    assert got["trace_minus_unix_us"] == -base_ns / 1000 and "baseTimeNanoseconds" in got["method"]
+    assert got["marker_offset_us"] == -base_ns / 1000 - 3500 and got["uncertainty_us"] == 4000
+    # a trace whose events are not on Unix time: the base is ignored
+    far = trace_offset(ts + 10 * CLOCK_BASE_SLACK_US + 4000, [t0, t0 + 8_000_000], "m#0", base_ns)
+    assert far["trace_minus_unix_us"] == -base_ns / 1000 - 3500 + 10 * CLOCK_BASE_SLACK_US + 4000
+    assert far["method"].startswith("record_function 'm#0'") and far["base_time_ns"] == base_ns
+    # no base in the trace: the marker's
+    assert trace_offset(ts, [t0, t0 + 8_000_000], "m#0", None)["trace_minus_unix_us"] == -base_ns / 1000 - 3500

@@ -88,6 +88,20 @@ def find_marker_ts(path: str, name: str, limit_bytes: int = 1 << 30) -> float | 
     return None
 
 
+# Kineto (and torch's own writer) put the trace's header, baseTimeNanoseconds in it, before the
+# events; a header with one entry per GPU of a large node stays far below this.
+HEADER_BYTES = 1 << 20
+_BASE_RE = re.compile(rb'"baseTimeNanoseconds":\s*([0-9]+)')
+
+
+def find_base_time_ns(path: str) -> int | None:
+    """The trace's ``baseTimeNanoseconds`` (its events' ts are µs since this Unix time), read from
+    the JSON file's header; None when it has none."""
+    with open(path, "rb") as f:
+        m = _BASE_RE.search(f.read(HEADER_BYTES))
+    return int(m.group(1)) if m else None
+
+
 def _complete_json(path: str) -> bool:
     """Whether the JSON file ends like a whole object: Kineto's writer fails silently on a full
     disk or a file size limit (RLIMIT_FSIZE), leaving a truncated file behind."""
@@ -132,7 +146,8 @@ def write_trace(prof: Any, d: str, cap_bytes: int, marker: str, stop_ms: float |
     """Write ``prof``'s trace as ``d/trace.json.gz`` (at most ``cap_bytes`` compressed).
 
     ``stop_ms``: how long the training thread's ``stop_trace`` took (the size estimate). Returns
-    ``trace_bytes`` (JSON size), ``marker_ts`` (the ``marker`` event's ts or None), ``how``
+    ``trace_bytes`` (JSON size), ``marker_ts`` (the ``marker`` event's ts or None),
+    ``base_time_ns`` (the trace's baseTimeNanoseconds or None), ``how``
     ("fork" or "thread"), ``why`` and timings in ms. Raises ExportError; leaves no partial file.
     """
     raw, gz = os.path.join(d, "trace.json.tmp"), os.path.join(d, "trace.json.gz")
@@ -220,11 +235,12 @@ def _write(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str) -> dict[st
 
 def _compress(raw: str, gz: str, cap_bytes: int, marker: str) -> dict[str, Any]:
     """Gzip Kineto's JSON ``raw`` into ``gz`` (at most ``cap_bytes``), find the clock marker,
-    remove ``raw``. Returns ``trace_bytes`` and ``marker_ts``."""
+    remove ``raw``. Returns ``trace_bytes``, ``marker_ts`` and ``base_time_ns``."""
     if not os.path.exists(raw) or not _complete_json(raw):
         raise ExportError("Kineto could not write the whole trace JSON (disk full or a file size limit?)")
     n = os.path.getsize(raw)
     ts = find_marker_ts(raw, marker)
+    base_ns = find_base_time_ns(raw)
     with open(raw, "rb") as src, open(gz, "wb") as f:
         sink = _Counted(f)
         with gzip.GzipFile(filename="", mode="wb", compresslevel=3, fileobj=sink) as dst:  # type: ignore[arg-type]
@@ -236,7 +252,7 @@ def _compress(raw: str, gz: str, cap_bytes: int, marker: str) -> dict[str, Any]:
                 if sink.n > cap_bytes:
                     raise ExportError(f"trace exceeds --max-trace-mb {cap_bytes >> 20}")
     os.unlink(raw)
-    return {"trace_bytes": n, "marker_ts": ts}
+    return {"trace_bytes": n, "marker_ts": ts, "base_time_ns": base_ns}
 
 
 class _Counted:
@@ -282,7 +298,8 @@ def _in_child(prof: Any, raw: str, gz: str, cap_bytes: int, marker: str) -> dict
         raise ExportError(f"the trace writer (pid {pid}) ended without writing the trace: {why}")
     if not msg.get("ok"):
         raise ExportError(str(msg.get("error")))
-    return {"trace_bytes": msg["trace_bytes"], "marker_ts": msg["marker_ts"], "how": "fork", "pid": pid,
+    return {"trace_bytes": msg["trace_bytes"], "marker_ts": msg["marker_ts"],
+            "base_time_ns": msg.get("base_time_ns"), "how": "fork", "pid": pid,
             "fork_ms": round(fork_ms, 3), "write_ms": round(total_ms - fork_ms, 3)}
 
 
