@@ -78,6 +78,9 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
 
 --times writes {"ms_per_step": ..., "steps": N, "window": [first, last)}: the wall time of the
 steps [warm, warm + steps) between two device syncs (rank 0 for distributed cases).
+--step-log PREFIX writes PREFIX.rank<R>.json on every rank: per step (warm-up included) its host
+wall ms, the main thread's CPU ms (time.thread_time: no blocked time) and the CPU it ended on, so
+that ranks' host speed can be compared with and without the profiler (bench/diagnosis/host_symmetry.sh).
 """
 from __future__ import annotations
 
@@ -252,6 +255,7 @@ def main() -> None:
     ap.add_argument("--variant", choices=("fault", "fix"), required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--times", default="")
+    ap.add_argument("--step-log", default="", help="per-step host wall and CPU ms, per rank (see above)")
     ap.add_argument("--batch", type=int, default=0,
                     help="sequences per rank (default 8, 48 for the nanoGPT cases; 48 makes the step "
                          "GPU-bound on an H100: the 4-rank pairs)")
@@ -395,9 +399,32 @@ def main() -> None:
     # the nvtx fault: every step inside emit_nvtx (an autograd-profiler mode: a range per op)
     nvtx = torch.autograd.profiler.emit_nvtx() if a.case == "nvtx" and fault else contextlib.nullcontext()
     nvtx.__enter__()
+    log: dict[str, list] = {"wall_ms": [], "cpu_ms": [], "cpu": [], "threads": []}
+
+    def thread_ns() -> dict[int, int]:
+        """Every thread's CPU ns so far (schedstat's first field), by tid."""
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    out[int(tid)] = int(f.read().split()[0])
+            except OSError:
+                pass
+        return out
+
+    def logged(i: int) -> None:
+        log["threads"].append(thread_ns())
+        w, c = time.perf_counter(), time.thread_time()
+        step(i)
+        log["cpu_ms"].append(round((time.thread_time() - c) * 1e3, 3))
+        log["wall_ms"].append(round((time.perf_counter() - w) * 1e3, 3))
+        with open("/proc/thread-self/stat") as f:  # field 39: the CPU the thread last ran on
+            log["cpu"].append(int(f.read().rsplit(")", 1)[1].split()[36]))
+
+    run_step = logged if a.step_log else step
     t_warm = time.perf_counter()
     for i in range(WARM):
-        step(i)
+        run_step(i)
     torch.cuda.synchronize()
     if graphs:  # the compile and graph recording must be done before the window (and the capture)
         from torch._dynamo.utils import counters
@@ -406,9 +433,20 @@ def main() -> None:
               f"dynamo {dict(counters['stats'])}", flush=True)
     t0 = time.perf_counter()
     for i in range(WARM, WARM + a.steps):
-        step(i)
+        run_step(i)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3 / a.steps
+    if a.step_log:
+        log["threads"].append(thread_ns())
+        names = {}
+        for tid in log["threads"][-1]:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names[tid] = f.read().strip()
+            except OSError:
+                pass
+        with open(f"{a.step_log}.rank{rank}.json", "w") as f:
+            json.dump({"rank": rank, "names": names, **log}, f)
     nvtx.__exit__(None, None, None)
     if graphs:  # unchanged from the line above: no recompile inside the window
         print(f"launch fix: after the window dynamo {dict(counters['stats'])}", flush=True)

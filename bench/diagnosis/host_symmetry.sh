@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Is a coupled job's straggler under the profiler the profiler's doing? (docs/findings.md, "Coupled
+# ranks under the profiler"). One 4-rank v3 job run twice, each with --step-log (per rank, per step:
+# host wall ms, the main thread's CPU ms, the CPU it ended on): unprofiled, then under
+# `aiprof run --skip 10 --iterations 3` as the v3 captures were made. Printed per rank and run: the
+# median wall and CPU ms of the unprofiled window's steps and of the captured ones, and the CPUs used.
+#   run: SPEC=fsdp_units:fault@48 bash bench/diagnosis/host_symmetry.sh   (carry .whl; WHL=.whl/v3 holds msgspec)
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHL:-.whl/v3}"/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD/src:/tmp/site
+SPEC=${SPEC:-fsdp_units:fault@48}
+c=${SPEC%%:*}; r=${SPEC#*:}; v=${r%%@*}; b=${r#*@}
+N=${NPROC:-4}; K=/tmp/hostsym; rm -rf $K; mkdir -p $K
+JOB="bench/diagnosis/v3_job.py --case $c --variant $v --batch $b"
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  timeout 200 torchrun --standalone --nproc-per-node $N $JOB --steps 20 --step-log $K/plain$round > $K/plain$round.log 2>&1 \
+    || tail -n 5 $K/plain$round.log
+  timeout 300 python3 -m aiprof run --skip 10 --iterations 3 --what kernels,python,shapes --out $K/caps \
+    --capture-id prof$round -- torchrun --standalone --nproc-per-node $N $JOB --steps 6 --step-log $K/prof$round \
+    > $K/prof$round.log 2>&1 || tail -n 5 $K/prof$round.log
+done
+python3 - "$K" <<'PY'
+import glob, json, statistics as st, sys
+k = sys.argv[1]
+
+
+def busy(d, a, b):
+    """CPU ms per step of each thread name over steps [a, b), the busiest first."""
+    t0, t1 = d["threads"][a], d["threads"][b]
+    out = {}
+    for tid, ns in t1.items():
+        name = d["names"].get(tid, "?")
+        out[name] = out.get(name, 0.0) + (ns - t0.get(tid, 0)) / 1e6 / (b - a)
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
+for path in sorted(glob.glob(f"{k}/*.rank*.json")):
+    d = json.load(open(path))
+    name = path.rsplit("/", 1)[1]
+    # unprofiled: the window [10, 30); profiled: the captured iterations 10-12 (--skip 10 --iterations 3)
+    a, b = (10, 30) if name.startswith("plain") else (10, 13)
+    w, c = d["wall_ms"][a:b], d["cpu_ms"][a:b]
+    top = ", ".join(f"{n} {v:.1f}" for n, v in busy(d, a, b)[:4])
+    print(f"{name:18s} wall {st.median(w):7.2f} main-thread cpu {st.median(c):6.2f} ms/step; threads' cpu ms/step: {top}")
+PY
+# the captures and the step logs, for `aiprof analyze` here (the agent's before_cpu_ms per rank)
+if [ -n "${OUT:-}" ]; then
+  for c in $K/caps/prof*; do tar czf $OUT/$(basename $c).tgz -C $K caps/$(basename $c) $(cd $K && ls $(basename $c).rank*.json); done
+fi
