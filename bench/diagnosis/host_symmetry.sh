@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Is a coupled job's straggler under the profiler the profiler's doing? (docs/findings.md, "Coupled
-# ranks under the profiler"). One 4-rank v3 job run twice, each with --step-log (per rank, per step:
-# host wall ms, the main thread's CPU ms, the CPU it ended on): unprofiled, then under
-# `aiprof run --skip 10 --iterations 3` as the v3 captures were made. Printed per rank and run: the
-# median wall and CPU ms of the unprofiled window's steps and of the captured ones, and the CPUs used.
-#   run: SPEC=fsdp_units:fault@48 bash bench/diagnosis/host_symmetry.sh   (carry .whl; WHL=.whl/v3 holds msgspec)
+# ranks under the profiler"). A multi-rank v3 job (SPEC, NPROC ranks) run ROUNDS times unprofiled and
+# ROUNDS times under `aiprof run --skip 10 --iterations 3` (as the v3 captures were made), each rank
+# logging per step its host wall time and every thread's CPU time (v3_job.py --step-log). Printed per
+# rank and run, over the unprofiled window [10, 30) or the captured steps [10, 13): the median wall
+# and main-thread CPU ms a step, and the busiest threads' CPU ms a step.
+#   run: NPROC=4 ROUNDS=3 SPEC=fsdp_units:fault@48 bash bench/diagnosis/host_symmetry.sh
+#   (carry .whl; WHL=.whl/v3 holds msgspec); with $OUT set the captures come back for `aiprof analyze`
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHL:-.whl/v3}"/*.whl 2>&1 | tail -2
@@ -44,7 +46,7 @@ for path in sorted(glob.glob(f"{k}/*.rank*.json")):
     top = ", ".join(f"{n} {v:.1f}" for n, v in busy(d, a, b)[:4])
     print(f"{name:18s} wall {st.median(w):7.2f} main-thread cpu {st.median(c):6.2f} ms/step; threads' cpu ms/step: {top}")
 PY
-# the captures and the step logs, for `aiprof analyze` here (the agent's before_cpu_ms per rank)
+# the captures and their step logs, for `aiprof analyze` elsewhere
 if [ -n "${OUT:-}" ]; then
   for c in $K/caps/prof*; do tar czf $OUT/$(basename $c).tgz -C $K caps/$(basename $c) $(cd $K && ls $(basename $c).rank*.json); done
 fi

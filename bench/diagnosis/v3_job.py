@@ -79,8 +79,9 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
 --times writes {"ms_per_step": ..., "steps": N, "window": [first, last)}: the wall time of the
 steps [warm, warm + steps) between two device syncs (rank 0 for distributed cases).
 --step-log PREFIX writes PREFIX.rank<R>.json on every rank: per step (warm-up included) its host
-wall ms, the main thread's CPU ms (time.thread_time: no blocked time) and the CPU it ended on, so
-that ranks' host speed can be compared with and without the profiler (bench/diagnosis/host_symmetry.sh).
+wall ms, the main thread's CPU ms (time.thread_time: no blocked time) and every thread's CPU ns at
+its start (schedstat; names by tid), so that ranks' host work can be compared with and without the
+profiler (bench/diagnosis/host_symmetry.sh).
 """
 from __future__ import annotations
 
@@ -399,7 +400,7 @@ def main() -> None:
     # the nvtx fault: every step inside emit_nvtx (an autograd-profiler mode: a range per op)
     nvtx = torch.autograd.profiler.emit_nvtx() if a.case == "nvtx" and fault else contextlib.nullcontext()
     nvtx.__enter__()
-    log: dict[str, list] = {"wall_ms": [], "cpu_ms": [], "cpu": [], "threads": []}
+    log: dict[str, list] = {"wall_ms": [], "cpu_ms": [], "threads": []}
 
     def thread_ns() -> dict[int, int]:
         """Every thread's CPU ns so far (schedstat's first field), by tid."""
@@ -418,8 +419,6 @@ def main() -> None:
         step(i)
         log["cpu_ms"].append(round((time.thread_time() - c) * 1e3, 3))
         log["wall_ms"].append(round((time.perf_counter() - w) * 1e3, 3))
-        with open("/proc/thread-self/stat") as f:  # field 39: the CPU the thread last ran on
-            log["cpu"].append(int(f.read().rsplit(")", 1)[1].split()[36]))
 
     run_step = logged if a.step_log else step
     t_warm = time.perf_counter()
