@@ -72,6 +72,12 @@ Distributed cases on 4 ranks (issue 29), the GPT model of Block at --batch seque
                 issued after the previous block's reduce-scatter, and NCCL runs the two in issue order
   fsdp1_post    the same with BackwardPrefetch.BACKWARD_POST (each block's all-gather issued from the post-backward
                 hook of the block after it: ahead of its reduce-scatter, after its compute) -> BACKWARD_PRE
+  fsdp_accum    FSDP2 per block (fsdp_healthy) with gradient accumulation: ACCUM micro-batches of --batch
+                sequences per optimizer step, every backward reduce-scattering its gradients -> the same
+                with model.set_requires_gradient_sync(False) on every micro-batch but the last (FSDP2's
+                no_sync: one reduce-scatter per unit and step, the unsharded gradients kept between them)
+  fsdp1_accum   fsdp_accum on FSDP1 (one unit per block, BACKWARD_PRE) -> `with model.no_sync():` around every
+                micro-batch but the last
   ddp_unused    DDP(find_unused_parameters=True) on a model that uses every parameter -> False (default)
   dataparallel  nn.DataParallel over every visible GPU in one process (run it on 1 rank: torchrun
                 --nproc-per-node 1), --batch sequences per GPU -> DDP, one process per GPU (4 ranks)
@@ -110,6 +116,8 @@ GROUP_BLOCKS = 3
 NANO_CASES = ("pointwise", "attention", "gate", "tf32", "anomaly", "zerograd", "compile", "h2d", "gradnorm",
               "emptycache", "lncompile", "vocab", "hfattn", "compile_hf")
 NANO_BATCH = 48
+#: micro-batches per optimizer step of the fsdp_accum case (each of --batch sequences)
+ACCUM = 4
 #: GPT-2's vocabulary, and nanoGPT's padding of it to a multiple of 64 (the vocab case)
 GPT2_VOCAB, PADDED_VOCAB = 50257, 50304
 #: images per step of the channels case: at 64 its step is host-bound on an H100 (launches), at 256 GPU-bound
@@ -312,7 +320,8 @@ def main() -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[local], find_unused_parameters=fault and a.case == "ddp_unused")
-    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile", "fsdp_units", "fsdp_groups"):
+    elif a.case in ("fsdp_healthy", "fsdp_reshard", "fsdp_wrap", "fsdp_compile", "fsdp_units", "fsdp_groups",
+                    "fsdp_accum"):
         from torch.distributed.fsdp import fully_shard
 
         # fsdp_reshard's fix keeps each block's gathered parameters from forward to backward;
@@ -326,13 +335,13 @@ def main() -> None:
                 b.forward = torch.compile(b.forward)
             fully_shard(b, reshard_after_forward=not (a.case == "fsdp_reshard" and not fault))
         fully_shard(model)
-    elif a.case in ("fsdp1_prefetch", "fsdp1_post"):
+    elif a.case in ("fsdp1_prefetch", "fsdp1_post", "fsdp1_accum"):
         from torch.distributed.fsdp import BackwardPrefetch
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=dev, use_orig_params=True,
-                     backward_prefetch=(BackwardPrefetch.BACKWARD_PRE if not fault else
+                     backward_prefetch=(BackwardPrefetch.BACKWARD_PRE if not fault or a.case == "fsdp1_accum" else
                                         None if a.case == "fsdp1_prefetch" else BackwardPrefetch.BACKWARD_POST))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     graphs = a.case == "launch" and not fault
@@ -375,13 +384,21 @@ def main() -> None:
         if a.case == "stall" and fault and i == STALL_STEP:
             time.sleep(STALL_S)
         feats = features.to(dev, non_blocking=not fault) if features is not None else None
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-            if resnet:
-                loss = nn.functional.cross_entropy(model(images).float(), labels)
-            else:
-                logits = model(x, feats) if feats is not None else model(x)
-                loss = nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.view(-1))
-        loss.backward()
+        micro = ACCUM if a.case in ("fsdp_accum", "fsdp1_accum") else 1
+        for k in range(micro):
+            if micro > 1 and not fault and a.case == "fsdp_accum":  # FSDP2: reduce-scatter after the last only
+                model.set_requires_gradient_sync(k == micro - 1)
+            # FSDP1's no_sync() around every micro-batch but the last (forward and backward)
+            sync = model.no_sync() if micro > 1 and not fault and a.case == "fsdp1_accum" and k < micro - 1 \
+                else contextlib.nullcontext()
+            with sync:
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
+                    if resnet:
+                        loss = nn.functional.cross_entropy(model(images).float(), labels)
+                    else:
+                        logits = model(x, feats) if feats is not None else model(x)
+                        loss = nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.view(-1))
+                (loss / micro if micro > 1 else loss).backward()
         if a.case == "gradnorm":
             grads = [p.grad for p in model.parameters()]
             norms = [g.norm().item() for g in grads] if fault else torch.stack([g.norm() for g in grads]).tolist()

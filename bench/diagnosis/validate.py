@@ -24,6 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
+from validate_v3 import totals  # noqa: E402 (the same three targets, one definition)
+
 from aiprof.pipeline import build_report
 from aiprof.trace.store import open_capture
 
@@ -48,6 +50,7 @@ def main() -> int:
     man = json.loads((src / "pairs.json").read_text())
     os.environ.setdefault("AIPROF_PROGRESS", "never")
     rows, fails = [], 0
+    tallies: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, p in man["pairs"].items():
             fault = p["traces"].get("fault") or p["traces"].get("job")
@@ -68,6 +71,7 @@ def main() -> int:
                 worst = next((c for c in causes if c["severity"] in ("high", "medium") and c["code"] not in measured),
                              None)
                 ok = worst is None
+                tallies.append({"quiet": ok})
                 rows.append((name, "(healthy)", f"{worst['code']} {worst['severity']}" if worst else
                              (f"{top['code']} {top['severity']}" if top else "none"),
                              worst["saving"]["share"] if worst else None, None, None, "ok" if ok else "FAIL"))
@@ -79,8 +83,9 @@ def main() -> int:
             # a straggler's cause may be the mechanism found on that rank (its data loading, say)
             right = bool(top) and (top["code"] == p["expect"] or (p["expect"] == "STRAGGLER" and
                                                                  "straggler" in top["evidence"]))
-            ok = right and ratio is not None and \
-                1 / RATIO_TARGET <= ratio <= RATIO_TARGET
+            within = ratio is not None and 1 / RATIO_TARGET <= ratio <= RATIO_TARGET
+            ok = right and within
+            tallies.append({"first": right, "within": within})
             got = (top["code"] + (f" (rank {top['rank']})" if "straggler" in top["evidence"] else "")) if top else "none"
             rows.append((name, p["expect"], got, pred, meas, ratio, "ok" if ok else "FAIL"))
             fails += not ok
@@ -91,6 +96,7 @@ def main() -> int:
         print(f"{name:20s} {exp!s:24s} {got:24s} {f(pred)} {f(meas)} {r}  {verdict}")
     print(f"{len(rows) - fails - sum(r[-1] == 'skip' for r in rows)} ok, {fails} failed, "
           f"{sum(r[-1] == 'skip' for r in rows)} skipped")
+    print(totals(tallies))
     return 1 if fails else 0
 
 

@@ -1,94 +1,227 @@
-"""GRAD_ACCUM_ALLREDUCE: gradient accumulation that all-reduces after every micro-batch.
+"""GRAD_ACCUM_ALLREDUCE: gradient accumulation that reduces the gradients after every micro-batch.
 
-Mechanism: DDP all-reduces the gradients at the end of every backward pass. With gradient
-accumulation only the last micro-batch's all-reduce is needed (the others' sums are overwritten
-by it); ``model.no_sync()`` around the other micro-batches skips them. Without it every
-micro-batch pays a full all-reduce, on every rank.
+Mechanism: data parallelism reduces the gradients at the end of every backward pass: DDP
+all-reduces them in buckets; FSDP reduce-scatters each unit's (FSDP2's post-backward hook: the
+gradients copied into one buffer, the reduce-scatter, the shard copied out and accumulated).
+With gradient accumulation only the last micro-batch's reduction is needed: the others move the
+whole gradient for a sum the last one would make anyway. DDP's and FSDP1's ``model.no_sync()``
+and FSDP2's ``model.set_requires_gradient_sync(False)`` skip them; FSDP then keeps each unit's
+unsharded gradient until the last micro-batch (memory: the reduce-scatters' inputs).
 
-Evidence: several backward passes per step, with collectives after more than one of them. Fix
-priced on every rank at once (a code change the whole job makes) by the joint replay: the
-collectives of all but the last backward pass of each step skipped.
+Evidence: several backward passes per step (torch's ``run_backward`` in the Python stacks), and
+gradient reductions (AllReduce or ReduceScatter kernels) launched inside a backward pass that is
+not its step's last. All-gathers are not reductions: FSDP gathers the parameters for every
+micro-batch's forward and backward either way.
+
+What-if, on every rank at once (the fix is the job's) by the joint replay: the reductions
+launched in those passes not run and not waited for. The host work around them and their copies
+stay: with the fix, DDP's hooks and FSDP's post-backward still run, and FSDP accumulates each
+micro-batch's unsharded gradients instead (an add per parameter), work of the same kind and
+count as the copies in and out of a reduce-scatter. Pricing FSDP2's reduce annotations away as
+well said 12.8 % on a host-bound FSDP2 pair whose fix measured no faster (docs/findings.md).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.hotspots import PYTHON
+from aiprof.analysis.ranks import rank_collectives
+from aiprof.diagnosis.causes.common import inside_intervals
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
-from aiprof.diagnosis.graph import COLL_END
+from aiprof.diagnosis.graph import COLL_END, COLL_START
 from aiprof.diagnosis.model import EXPOSED_COMM, WAITING_RANK, Cause, Claim, Place
+from aiprof.diagnosis.replay import Edit
+from aiprof.trace.classify import FSDP_ANNOTATIONS, collective_type
 
 CODE = "GRAD_ACCUM_ALLREDUCE"
 _BACKWARD = "<built-in method run_backward"
+#: the collectives that reduce gradients (an all-gather only moves parameters)
+REDUCTIONS = frozenset({"AllReduce", "ReduceScatter"})
+_MIB = float(1 << 20)
 
 
-def _skippable(f: RankFacts) -> tuple[np.ndarray, np.ndarray, int]:
-    """(skippable host COLL_END actions, skippable GPU collective ops, backward passes per step)."""
-    g = f.graph
+def _passes(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The window's backward passes: (start, end, whether each is not its step's last) in time
+    order, and the passes per step (median over steps with any; 0 without Python stacks)."""
+    got = f.extra.get("_backward_passes")
+    if got is None:
+        got = f.extra["_backward_passes"] = _find_passes(f)
+    return got
+
+
+def _find_passes(f: RankFacts) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     bw = f.node_mask(lambda s: s.startswith(_BACKWARD), (PYTHON,))
-    z = np.zeros(g.n_actions, dtype=bool), np.zeros(g.n_ops, dtype=bool), 0
-    if not bw.any() or g.a_coll is None:
-        return z
-    starts = np.sort(f.tree.start[bw])
-    step_of_bw = f.steps.index_of(starts)
-    per_step = np.bincount(step_of_bw[step_of_bw >= 0], minlength=len(f.steps))
-    if not len(per_step) or per_step.max() < 2:
-        return z
-    # a collective belongs to the last backward pass that started before it
-    def pass_of(ts: np.ndarray) -> np.ndarray:
-        return np.searchsorted(starts, ts, side="right") - 1
+    if not bw.any():
+        z = np.zeros(0, np.int64)
+        return z, z, z.astype(bool), 0
+    order = np.argsort(f.tree.start[bw], kind="stable")
+    starts, ends = f.tree.start[bw][order], f.tree.end[bw][order]
+    step = f.steps.index_of(starts)
+    not_last = np.zeros(len(starts), dtype=bool)
+    for k in range(len(starts) - 1):
+        not_last[k] = step[k] >= 0 and step[k + 1] == step[k]
+    counts = np.bincount(step[step >= 0], minlength=len(f.steps)) if (step >= 0).any() else np.zeros(0, np.int64)
+    per_step = int(np.median(counts[counts > 0])) if (counts > 0).any() else 0
+    return starts, ends, not_last, per_step
 
-    last_of_step = {}
-    for k, s in enumerate(step_of_bw):
-        if s >= 0:
-            last_of_step[s] = k
-    skip_a = np.zeros(g.n_actions, dtype=bool)
-    ends = np.nonzero(g.a_kind == COLL_END)[0]
-    if len(ends):
-        starts_of = {int(c): t for c, t in zip(g.a_coll, g.a_ts) if c >= 0}
-        cs = np.array([starts_of.get(int(g.a_coll[i]), g.a_ts[i]) for i in ends])
-        pk = pass_of(cs)
-        st = f.steps.index_of(cs)
-        skip_a[ends] = (pk >= 0) & (st >= 0) & np.array([last_of_step.get(int(s), -1) != int(p) for s, p in zip(st, pk)])
-    skip_o = np.zeros(g.n_ops, dtype=bool)
-    co = np.nonzero(g.o_coll >= 0)[0] if g.o_coll is not None else np.zeros(0, np.int64)
-    if len(co):
-        lt = g.a_ts[g.o_action[co]]
-        pk, st = pass_of(lt), f.steps.index_of(lt)
-        skip_o[co] = (pk >= 0) & (st >= 0) & np.array([last_of_step.get(int(s), -1) != int(p) for s, p in zip(st, pk)])
-    return skip_a, skip_o, int(np.median(per_step[per_step > 0]))
+
+def _reduction_ops(f: RankFacts) -> tuple[np.ndarray, str]:
+    """GPU ops that are gradient reductions, and their kind (the most frequent one)."""
+    g, k = f.graph, f.rt.kernels
+    out = np.zeros(g.n_ops, dtype=bool)
+    if not g.n_ops or not len(k):
+        return out, ""
+    names = k.strings("name")
+    kind_of = np.array([collective_type(s) for s in names.labels] + [""], dtype=object)
+    kern = np.nonzero(g.o_table == 0)[0]
+    kinds = kind_of[names.codes[g.o_row[kern]]]
+    red = np.isin(kinds, list(REDUCTIONS))
+    out[kern[red]] = True
+    if not red.any():
+        return out, ""
+    labels, counts = np.unique(kinds[red].astype(str), return_counts=True)
+    return out, str(labels[np.argmax(counts)])
+
+
+def _host_side(f: RankFacts) -> tuple[np.ndarray, np.ndarray]:
+    """The graph's host-side collectives (a host backend such as gloo): their COLL_START actions
+    and types (from the rank's collective records; "" where none starts there)."""
+    g = f.graph
+    at = np.nonzero(g.a_kind == COLL_START)[0] if g.a_coll is not None else np.zeros(0, np.int64)
+    if not len(at):
+        return at, np.zeros(0, object)
+    rc = rank_collectives(f.rt)
+    kind_at = {int(t): str(s).split(":", 1)[0] for t, s in zip(rc.start.tolist(), rc.sig.tolist())}
+    return at, np.array([kind_at.get(int(t), "") for t in g.a_ts[at].tolist()], dtype=object)
+
+
+def _host_reductions(f: RankFacts, in_pass: tuple) -> tuple[list[int], str, int]:
+    """Ids of the host-side reductions that start inside the intervals ``in_pass``, their type
+    (the most frequent), and how many host-side reductions the window holds."""
+    at, kinds = _host_side(f)
+    red = np.isin(kinds, list(REDUCTIONS))
+    if not red.any():
+        return [], "", 0
+    g = f.graph
+    inside = inside_intervals(g.a_ts[at], np.full(len(at), -1), in_pass) & red
+    labels, counts = np.unique(kinds[red].astype(str), return_counts=True)
+    return [int(c) for c in g.a_coll[at[inside]].tolist()], str(labels[np.argmax(counts)]), int(red.sum())
+
+
+def _framework(f: RankFacts) -> str:
+    """"fsdp2", "fsdp1" or "" from the library's own host annotations."""
+    an = f.rt.annotations
+    if not len(an):
+        return ""
+    labels = an.strings("name").labels
+    if any(s.startswith(FSDP_ANNOTATIONS[0]) for s in labels):
+        return "fsdp2"
+    if any(s.startswith(FSDP_ANNOTATIONS[1]) for s in labels):
+        return "fsdp1"
+    return ""
+
+
+def skippable_edit(f: RankFacts) -> tuple[Edit | None, dict]:
+    """The fix on one rank (None when no reduction runs in a pass that is not its step's last),
+    and what it found: passes per step, reductions skipped and in all per step, their kind, the
+    framework, the unsharded gradient bytes FSDP would keep between micro-batches."""
+    got = f.extra.get("_grad_accum_edit")
+    if got is None:
+        got = f.extra["_grad_accum_edit"] = _skippable_edit(f)
+    return got
+
+
+def _skippable_edit(f: RankFacts) -> tuple[Edit | None, dict]:
+    starts, ends, not_last, per_step = _passes(f)
+    ts, end = starts[not_last], ends[not_last]
+    if per_step < 2 or not len(ts):
+        return None, {}
+    g = f.graph
+    red, kind = _reduction_ops(f)
+    in_pass = (ts, end, np.full(len(ts), -1))
+    launched = g.a_ts[g.o_action] if g.n_ops else np.zeros(0, np.int64)
+    skip = red & inside_intervals(launched, np.full(len(launched), -1), in_pass)
+    host_ids, host_kind, host_total = _host_reductions(f, in_pass)
+    if not skip.any() and not host_ids:
+        return None, {}
+    fw = _framework(f)
+    e = f.edit(CODE)
+    e.drop_op |= skip
+    if g.a_coll is not None:
+        gone = set(host_ids)
+        if g.o_coll is not None:
+            gone |= set(np.unique(g.o_coll[skip & (g.o_coll >= 0)]).tolist())
+        e.no_wait |= (g.a_kind == COLL_END) & np.isin(g.a_coll, list(gone))
+    kind = kind or host_kind
+    n_skip = int(skip.sum()) + len(host_ids)
+    n_red = int(red.sum()) + host_total
+    steps = max(len(f.steps), 1)
+    found = {"passes": per_step, "skipped": n_skip / steps, "reductions": n_red / steps,
+             "kind": kind, "framework": fw, "unsharded_bytes": _last_pass_reduce_scatter_bytes(f) if fw else 0.0}
+    return e, found
+
+
+def _last_pass_reduce_scatter_bytes(f: RankFacts) -> float:
+    """Bytes per step reduce-scattered in the steps' last backward passes (the collectives' host
+    records): the unsharded gradients FSDP keeps from one micro-batch to the next with the fix."""
+    c = f.rt.collectives
+    if not len(c):
+        return 0.0
+    starts, ends, not_last, _ = _passes(f)
+    last = (starts[~not_last], ends[~not_last])
+    m = (c.strings("coll").values() == "ReduceScatter") & (c.strings("side").values() == "cpu")
+    ts = np.asarray(c["ts"])
+    m &= inside_intervals(ts, np.full(len(ts), -1), (last[0], last[1], np.full(len(last[0]), -1)))
+    if not m.any():
+        return 0.0
+    size = np.array([DTYPE_BYTES.get(str(d), 4) for d in c.strings("dtype").values()[m]])
+    return float((np.asarray(c["in_nelems"])[m] * size).sum()) / max(len(f.steps), 1)
+
+
+def _remedy(fw: str, unsharded: float) -> str:
+    keep = (f" FSDP then keeps each unit's unsharded gradients between micro-batches: {unsharded / _MIB:.0f} MiB "
+            "per rank, this trace's reduce-scatter inputs." if unsharded else "")
+    if fw == "fsdp2":
+        return ("Call model.set_requires_gradient_sync(False) before every micro-batch but the last and "
+                "model.set_requires_gradient_sync(True) before the last, so FSDP reduce-scatters once per "
+                "optimizer step." + keep)
+    if fw == "fsdp1":
+        return ("Run every micro-batch but the last (forward and backward) inside `with model.no_sync():`, so "
+                "FSDP reduce-scatters once per optimizer step." + keep)
+    return ("Wrap every micro-batch but the last in `with model.no_sync():` (forward and backward), so DDP "
+            "all-reduces once per optimizer step.")
 
 
 def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
-    """One cause for the job when every rank all-reduces after more than one backward pass."""
-    edits, counts = {}, {}
+    """One cause for the job when every rank reduces gradients after more than one backward pass."""
+    edits, found = {}, {}
     for f in facts:
-        a, o, passes = _skippable(f)
-        if not (a.any() or o.any()):
+        e, what = skippable_edit(f)
+        if e is None:
             return []
-        e = f.edit(CODE)
-        e.no_wait |= a
-        e.drop_op |= o
-        edits[f.rank] = e
-        counts[f.rank] = (int(a.sum() + o.sum()) / max(len(f.steps), 1), passes)
+        edits[f.rank], found[f.rank] = e, what
     f0 = facts[0]
-    skipped, passes = counts[f0.rank]
-    total = sum(len(f.graph.c_transfer) for f in facts[:1]) / max(len(f0.steps), 1)
+    w = found[f0.rank]
+    fsdp = w["framework"] in ("fsdp1", "fsdp2")
+    verb = {"ReduceScatter": "reduce-scatters", "AllReduce": "all-reduces"}.get(w["kind"], "reduces")
+    who = "FSDP" if fsdp else "DDP"
     claims = [Claim(EXPOSED_COMM, f.rank, float(sum(b.communication_us for b in f.breakdown))) for f in facts]
     claims += [Claim(WAITING_RANK, f.rank, 0.0) for f in facts]
     c = Cause(
         code=CODE, rank=None,
-        title=(f"gradient accumulation all-reduces after every micro-batch: {passes} backward passes per step, "
-               f"{skipped:.0f} of {total:.0f} collectives per step are not needed"),
-        mechanism=("DDP all-reduces the gradients at the end of every backward pass; with gradient accumulation only "
-                   "the last micro-batch's reduction is needed, the others move the whole gradient for nothing."),
-        remedy=("Wrap every micro-batch but the last in `with model.no_sync():` (forward and backward), so DDP "
-                "all-reduces once per optimizer step; with FSDP, use `model.no_sync()` the same way or "
-                "set `require_backward_grad_sync=False` on those micro-batches."),
-        place=Place("collective", "DDP all-reduce (every micro-batch)", "", [], []),
-        evidence={"backward_passes_per_step": passes, "skippable_collectives_per_step": skipped,
-                  "collectives_per_step": total},
+        title=(f"gradient accumulation {verb} the gradients after every micro-batch: {w['passes']} backward passes "
+               f"per step, {w['skipped']:.0f} of {w['reductions']:.0f} {w['kind'] or 'reduction'}s per step are "
+               "not needed"),
+        mechanism=(f"{who} reduces the gradients at the end of every backward pass ({verb} them); with gradient "
+                   "accumulation only the last micro-batch's reduction is needed, the others move the whole "
+                   "gradient for a sum the last one makes anyway."),
+        remedy=_remedy(w["framework"], w["unsharded_bytes"]),
+        place=Place("collective", f"{who} {w['kind'] or 'reduction'} (every micro-batch)", "", [], []),
+        evidence={"backward_passes_per_step": w["passes"], "skippable_collectives_per_step": w["skipped"],
+                  "reductions_per_step": w["reductions"], "collective": w["kind"], "framework": w["framework"],
+                  "unsharded_gradient_bytes": w["unsharded_bytes"]},
         edit=edits[f0.rank], claims=claims)
     others = {r: e for r, e in edits.items() if r != f0.rank}
     pricer.price(f0, c, None, others)
@@ -96,9 +229,8 @@ def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:
 
 
 def skippable(f: RankFacts) -> bool:
-    """Whether the rank all-reduces after a backward pass that is not its step's last."""
-    a, o, _ = _skippable(f)
-    return bool(a.any() or o.any())
+    """Whether the rank reduces gradients in a backward pass that is not its step's last."""
+    return skippable_edit(f)[0] is not None
 
 
 def detect(job: JobFacts) -> list[Cause]:
