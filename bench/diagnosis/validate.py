@@ -2,6 +2,9 @@
 
     python bench/diagnosis/validate.py [DIR]     # DIR: gpu_pairs.py's output (default tests/data/diagnosis)
 
+Without DIR it goes on with the v3 and v3b pairs (validate_v3.py: tests/data/v3, tests/data/v3b) and
+prints the whole zoo's totals last: issue 29's three targets over every pair.
+
 DIR holds ``pairs.json`` (the unprofiled step times of each pair's fault and fix, measured by
 ``bench/diagnosis/gpu_pairs.py`` on a GPU) and the fault traces. Each trace is analysed as an
 aiprof capture whose ``meta.json`` carries the unprofiled step time measured before it, exactly
@@ -24,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from validate_v3 import totals  # noqa: E402 (the same three targets, one definition)
+import validate_v3  # noqa: E402 (the v3 pairs, and the same three targets: one definition)
 
 from aiprof.pipeline import build_report
 from aiprof.trace.store import open_capture
@@ -96,8 +99,13 @@ def main() -> int:
         print(f"{name:20s} {exp!s:24s} {got:24s} {f(pred)} {f(meas)} {r}  {verdict}")
     print(f"{len(rows) - fails - sum(r[-1] == 'skip' for r in rows)} ok, {fails} failed, "
           f"{sum(r[-1] == 'skip' for r in rows)} skipped")
-    print(totals(tallies))
-    return 1 if fails else 0
+    print(validate_v3.totals(tallies))
+    if len(sys.argv) > 1:
+        return 1 if fails else 0
+    print()
+    bad, v3 = validate_v3.run()
+    print(f"\nthe whole zoo ({len(tallies) + len(v3)} rows): {validate_v3.totals(tallies + v3)}")
+    return 1 if fails or bad else 0
 
 
 if __name__ == "__main__":

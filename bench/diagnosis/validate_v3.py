@@ -183,7 +183,8 @@ def totals(tallies: list[dict]) -> str:
     return " · ".join(parts)
 
 
-def main() -> int:
+def run() -> tuple[int, list[dict]]:
+    """Print every row; return the failed rows' count and the rows' tallies (see :func:`totals`)."""
     print(f"{'capture':20s} {'kind':8s} {'expected first':20s} {'first item':22s} {'predicted':>8s}  "
           f"{'measured':>8s}  ratio")
     bad = 0
@@ -196,6 +197,11 @@ def main() -> int:
             print(line, flush=True)
     print(f"{len(PAIRS) - bad} ok, {bad} failed")
     print(totals(tallies))
+    return bad, tallies
+
+
+def main() -> int:
+    bad, _ = run()
     return 1 if bad else 0
 
 
