@@ -28,6 +28,7 @@ from aiprof import npx
 from aiprof.analysis import rankdiff
 from aiprof.analysis.diff import diff_captures
 from aiprof.analysis.intervals import union
+from aiprof.analysis.launch import launch_ts
 from aiprof.analysis.steps import find_steps
 from aiprof.trace import classify
 from aiprof.trace.store import Capture, RankTrace
@@ -83,7 +84,7 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
     """The rank's collectives: GPU side when present, else NCCL kernels by name, else host side."""
     c = rt.collectives
     side = ""
-    corr = None  # GPU-side rows: the correlation ids that link them to their launches
+    gpu_rows = None  # GPU-side rows (with their correlation ids): numbered by their launch's step
     if len(c):
         sides = c.strings("side")
         for want in ("gpu", "cpu"):
@@ -97,7 +98,7 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
                 sig = np.array([f"{a}:{n}" for a, n in zip(coll, t["in_nelems"])], dtype=object)
                 side = want
                 start, end, seq = t["ts"], t["ts"] + t["dur"], t["seq"]
-                corr = t["corr"] if want == "gpu" and "corr" in t else None
+                gpu_rows = t if want == "gpu" else None
                 break
     if not side:
         side, pg, sig, start, end, seq = _host_backend_collectives(rt)
@@ -113,7 +114,7 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
             pg = np.array([f"stream {s}" for s in t["stream"]], dtype=object)
             side, start, end = "kernels", t["ts"], t["ts"] + t["dur"]
             seq = np.full(len(t), -1, dtype=np.int64)
-            corr = t["corr"] if "corr" in t else None
+            gpu_rows = t
         else:
             z = np.zeros(0, dtype=np.int64)
             return RankCollectives(rt.rank, "", np.zeros(0, object), np.zeros(0, object), z, z, z, z)
@@ -124,27 +125,13 @@ def rank_collectives(rt: RankTrace) -> RankCollectives:
         # a GPU-side collective is numbered by the step that launched it: the GPU runs behind the
         # host, by more on some ranks than on others (a rank whose GPU waits for its collectives),
         # so the step its kernel runs in would differ across ranks for the same collective
-        i = steps.index_of(_launch_ts(rt, np.asarray(corr)[order], st) if corr is not None else st)
+        i = steps.index_of(launch_ts(rt.runtime, gpu_rows)[order] if gpu_rows is not None else st)
         num = npx.take(steps.number, i, -1)
     else:
         num = np.full(len(st), -1, dtype=np.int64)
     return RankCollectives(rt.rank, side, np.asarray(pg, dtype=object)[order], np.asarray(sig, dtype=object)[order],
                            st.astype(np.int64), np.asarray(end)[order].astype(np.int64),
                            np.asarray(seq)[order].astype(np.int64), num.astype(np.int64))
-
-
-def _launch_ts(rt: RankTrace, corr: np.ndarray, gpu_ts: np.ndarray) -> np.ndarray:
-    """Host start of the runtime call that launched each GPU op (by correlation id), its GPU start
-    where the trace has no such call."""
-    r = rt.runtime
-    if not len(r) or "corr" not in r:
-        return gpu_ts
-    rc, rts = np.asarray(r["corr"]), np.asarray(r["ts"])
-    order = np.argsort(rc, kind="stable")
-    rc, rts = rc[order], rts[order]
-    pos = np.clip(np.searchsorted(rc, corr), 0, len(rc) - 1)
-    found = (rc[pos] == corr) & (corr > 0)
-    return np.where(found, rts[pos], gpu_ts)
 
 
 def _host_backend_collectives(rt: RankTrace):

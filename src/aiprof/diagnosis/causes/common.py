@@ -5,6 +5,7 @@ import re
 
 import numpy as np
 
+from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.hotspots import OP, PYTHON, RUNTIME, is_library_frame
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.leafnames import leaf_display, named_leaf  # noqa: F401 (the causes' names for leaves)
@@ -270,3 +271,22 @@ def inside_intervals(ts: np.ndarray, tid: np.ndarray, outer: tuple) -> np.ndarra
         k = np.searchsorted(starts, ts[m], side="right") - 1
         out[m] = (k >= 0) & (ends[np.maximum(k, 0)] > ts[m])
     return out
+
+
+def host_collective_bytes(f: RankFacts, coll: str, nelems: str, outer: tuple, any_thread: bool = False) -> float:
+    """Bytes per step of the rank's host-side ``coll`` records ("AllGather", "ReduceScatter"...)
+    that start inside the ``outer`` intervals (ts, end, tid; ``any_thread``: on any thread, the
+    intervals' tid ignored), counted by ``nelems`` ("in_nelems" or "out_nelems") and the dtype."""
+    c = f.rt.collectives
+    if not len(c) or not len(outer[0]):
+        return 0.0
+    m = (c.strings("coll").values() == coll) & (c.strings("side").values() == "cpu")
+    ts = np.asarray(c["ts"])
+    if any_thread:
+        m &= inside_intervals(ts, np.full(len(ts), -1), (outer[0], outer[1], np.full(len(outer[0]), -1)))
+    else:
+        m &= inside_intervals(ts, np.asarray(c["tid"]), outer)
+    if not m.any():
+        return 0.0
+    size = np.array([DTYPE_BYTES.get(str(d), 4) for d in c.strings("dtype").values()[m]])
+    return float((np.asarray(c[nelems])[m] * size).sum()) / max(len(f.steps), 1)

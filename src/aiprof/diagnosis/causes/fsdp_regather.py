@@ -24,9 +24,15 @@ import re
 
 import numpy as np
 
-from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.intervals import union
-from aiprof.diagnosis.causes.common import actions_inside, inside_intervals, ms, named_intervals, some_of
+from aiprof.diagnosis.causes.common import (
+    actions_inside,
+    host_collective_bytes,
+    inside_intervals,
+    ms,
+    named_intervals,
+    some_of,
+)
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
@@ -140,17 +146,7 @@ def regather_edit(f: RankFacts) -> Edit | None:
 def gathered_bytes(f: RankFacts, ts: np.ndarray, end: np.ndarray, tid: np.ndarray) -> float:
     """Bytes per step all-gathered inside the intervals (ts, end, tid): the all-gathers' outputs,
     from the collectives' host records (for the re-gathers: what the fix keeps from forward to backward)."""
-    c = f.rt.collectives
-    if not len(c) or not len(ts):
-        return 0.0
-    kinds = c.strings("coll").values()
-    side = c.strings("side").values()
-    m = (kinds == "AllGather") & (side == "cpu")
-    m &= inside_intervals(np.asarray(c["ts"]), np.asarray(c["tid"]), (ts, end, tid))
-    if not m.any():
-        return 0.0
-    size = np.array([DTYPE_BYTES.get(str(d), 4) for d in c.strings("dtype").values()[m]])
-    return float((np.asarray(c["out_nelems"])[m] * size).sum()) / max(len(f.steps), 1)
+    return host_collective_bytes(f, "AllGather", "out_nelems", (ts, end, tid))
 
 
 def detect_job(facts: list[RankFacts], pricer) -> list[Cause]:

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from aiprof.analysis.comm import DTYPE_BYTES
 from aiprof.analysis.hotspots import PYTHON
 from aiprof.analysis.ranks import rank_collectives
-from aiprof.diagnosis.causes.common import inside_intervals
+from aiprof.diagnosis.causes.common import host_collective_bytes, inside_intervals
 from aiprof.diagnosis.detector import Detector, JobFacts, Scope
 from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import COLL_END, COLL_START
@@ -79,10 +78,15 @@ def _reduction_ops(f: RankFacts) -> tuple[np.ndarray, str]:
     kinds = kind_of[names.codes[g.o_row[kern]]]
     red = np.isin(kinds, list(REDUCTIONS))
     out[kern[red]] = True
-    if not red.any():
-        return out, ""
-    labels, counts = np.unique(kinds[red].astype(str), return_counts=True)
-    return out, str(labels[np.argmax(counts)])
+    return out, _most_frequent(kinds[red])
+
+
+def _most_frequent(kinds: np.ndarray) -> str:
+    """The most frequent of the collective types (the first alphabetically on a tie; "" for none)."""
+    if not len(kinds):
+        return ""
+    labels, counts = np.unique(kinds.astype(str), return_counts=True)
+    return str(labels[np.argmax(counts)])
 
 
 def _host_side(f: RankFacts) -> tuple[np.ndarray, np.ndarray]:
@@ -106,8 +110,7 @@ def _host_reductions(f: RankFacts, in_pass: tuple) -> tuple[list[int], str, int]
         return [], "", 0
     g = f.graph
     inside = inside_intervals(g.a_ts[at], np.full(len(at), -1), in_pass) & red
-    labels, counts = np.unique(kinds[red].astype(str), return_counts=True)
-    return [int(c) for c in g.a_coll[at[inside]].tolist()], str(labels[np.argmax(counts)]), int(red.sum())
+    return [int(c) for c in g.a_coll[at[inside]].tolist()], _most_frequent(kinds[red]), int(red.sum())
 
 
 def _framework(f: RankFacts) -> str:
@@ -166,18 +169,9 @@ def _skippable_edit(f: RankFacts) -> tuple[Edit | None, dict]:
 def _last_pass_reduce_scatter_bytes(f: RankFacts) -> float:
     """Bytes per step reduce-scattered in the steps' last backward passes (the collectives' host
     records): the unsharded gradients FSDP keeps from one micro-batch to the next with the fix."""
-    c = f.rt.collectives
-    if not len(c):
-        return 0.0
     starts, ends, not_last, _ = _passes(f)
-    last = (starts[~not_last], ends[~not_last])
-    m = (c.strings("coll").values() == "ReduceScatter") & (c.strings("side").values() == "cpu")
-    ts = np.asarray(c["ts"])
-    m &= inside_intervals(ts, np.full(len(ts), -1), (last[0], last[1], np.full(len(last[0]), -1)))
-    if not m.any():
-        return 0.0
-    size = np.array([DTYPE_BYTES.get(str(d), 4) for d in c.strings("dtype").values()[m]])
-    return float((np.asarray(c["in_nelems"])[m] * size).sum()) / max(len(f.steps), 1)
+    return host_collective_bytes(f, "ReduceScatter", "in_nelems", (starts[~not_last], ends[~not_last], None),
+                                 any_thread=True)
 
 
 def _remedy(fw: str, unsharded: float) -> str:
