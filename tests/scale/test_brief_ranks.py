@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from aiprof.analysis.report import DETAIL_FIELDS, is_brief
+from aiprof.analysis.report import DETAIL_FIELDS, brief, is_brief, rank_section
 from aiprof.diagnosis.job import JOINT_MAX_RANKS
 from aiprof.pipeline import DETAIL_RANKS, build_report
 from aiprof.pipeline.stages import detail_ranks
@@ -29,7 +29,7 @@ N_RANKS = DETAIL_RANKS + 1
 
 
 @pytest.fixture(scope="module")
-def many(tmp_path_factory) -> tuple[list[str], int, dict]:
+def many(tmp_path_factory) -> tuple[list[str], int, dict, dict]:
     spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "bench" / "scale.py")
     bench_scale = sys.modules["bench_scale"] = importlib.util.module_from_spec(spec)  # its pool pickles by name
     spec.loader.exec_module(bench_scale)
@@ -37,11 +37,11 @@ def many(tmp_path_factory) -> tuple[list[str], int, dict]:
     files = find_trace_files([str(d)])
     with engines.SerialEngine() as eng:
         rep = build_job_report(files, eng)
-    return files, straggler, rep
+    return files, straggler, rep, eng.stats.by_phase
 
 
 def test_only_the_named_ranks_keep_their_tables(many):
-    files, straggler, rep = many
+    files, straggler, rep, _ = many
     keep = rep["capture"]["detail_ranks"]
     named = {c["rank"] for c in rep["causes"] if c.get("rank") is not None}
     base = rep["cross_rank"]["stragglers"][0]["base_rank"]
@@ -57,6 +57,24 @@ def test_only_the_named_ranks_keep_their_tables(many):
     assert brief < full / 4  # the tables are most of a section
 
 
+def test_only_the_kept_ranks_tables_are_computed(many):
+    """The analysis of a rank of a report of many ranks computes its section without the tables;
+    the ranks the report keeps whole get theirs afterwards (scale.tasks.rank_tables). The report
+    is the one computing every rank's tables gave: a kept rank's section is its whole section,
+    a brief one is the whole section less its tables."""
+    files, _, rep, phases = many
+    keep = rep["capture"]["detail_ranks"]
+    assert phases["tables"]["tasks"] == len(keep) and phases["analyse"]["tasks"] == N_RANKS
+    cap = open_capture(files)
+    by_rank = {rt.rank: rt for rt in cap.ranks}
+    for r in (keep[0], next(x["rank"] for x in rep["ranks"] if is_brief(x))):
+        whole = asdict(rank_section(by_rank[r])[0])
+        lean = asdict(rank_section(by_rank[r], tables=False)[0])
+        assert brief(lean) == brief(whole) and lean["hotspots"]["classes"] == whole["hotspots"]["classes"]
+        assert not lean["top_kernels"] and lean["roofline"] is None and lean["step_diff"] is None
+        assert rep["ranks"][r] == (whole if r in keep else brief(whole))
+
+
 def test_detail_ranks_order_and_bound():
     cross = {"stragglers": [{"straggler_rank": 9, "base_rank": 2}], "flags": {"5": ["abnormal"], "3": ["waiting"]}}
     diag = {"causes": [{"rank": 7}, {"rank": None}, {"rank": 9}, {"rank": 99}], "minor": [{"rank": 4}]}
@@ -66,7 +84,7 @@ def test_detail_ranks_order_and_bound():
 
 
 def test_text_report_shows_the_named_ranks(many):
-    _, straggler, rep = many
+    _, straggler, rep, _ = many
     buf = io.StringIO()
     render(rep, buf)
     text = buf.getvalue()
@@ -88,7 +106,7 @@ def test_ui_and_api_read_a_brief_rank(many):
     from aiprof.api.report import Report
     from aiprof.server.data import CaptureData
 
-    files, _, rep = many
+    files, _, rep, _ = many
     r = next(x["rank"] for x in rep["ranks"] if is_brief(x))
     data = CaptureData(open_capture(files), report=rep)
     got = data.rank_detail(r)
@@ -113,7 +131,7 @@ def test_in_process_reports_of_many_ranks_are_the_job_paths(many):
     from aiprof.scale.job_report import capture_report
     from aiprof.server.data import CaptureData
 
-    files, straggler, rep = many
+    files, straggler, rep, _ = many
     assert N_RANKS > JOINT_MAX_RANKS
     top = rep["causes"][0]
     assert top["code"] == "STRAGGLER" and top["rank"] == straggler

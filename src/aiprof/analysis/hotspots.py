@@ -440,9 +440,10 @@ def _inclusive(tree: HostTree, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30) -> Hotspots:
+def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30, items: bool = True) -> Hotspots:
     """Per host item: calls, inclusive/exclusive time, launched GPU time, bottleneck ratio;
-    and the bottleneck ratio of each class of activity. Sorted by bottleneck ratio, then time."""
+    and the bottleneck ratio of each class of activity. Sorted by bottleneck ratio, then time.
+    ``items`` False: the classes only (what the diagnosis and the cross-rank comparison read)."""
     steps = steps if steps is not None else find_steps(rt)
     tree = host_tree(rt)
     lo, hi = analysis_window(rt, steps)
@@ -451,8 +452,8 @@ def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30) -> Hotspo
     gpu = has_gpu(rt)
     u = gpu_unions(rt)
     busy = u.all
-    items: list[Hotspot] = []
-    if len(tree):
+    out: list[Hotspot] = []
+    if items and len(tree):
         outer = tree.outermost_by_name()
         excl = tree.exclusive_ns()
         gpu_ns = launched_gpu_ns(rt, tree)
@@ -471,7 +472,7 @@ def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30) -> Hotspo
         for c in order[:top]:
             if calls[c] == 0:
                 continue
-            items.append(Hotspot(
+            out.append(Hotspot(
                 kind=KIND_NAMES[kind_of[c]], name=tree.labels[c], calls=int(calls[c]),
                 inclusive_us=float(incl[c]) / NS_PER_US, exclusive_us=float(exc[c]) / NS_PER_US,
                 gpu_us=float(g[c]) / NS_PER_US, idle_us=float(idl[c]) / NS_PER_US,
@@ -479,7 +480,7 @@ def hotspots(rt: RankTrace, steps: Steps | None = None, top: int = 30) -> Hotspo
             ))
     classes = class_ratios(rt, steps, tree) if gpu else []
     gpu_idle = float(idle_ns(busy, a_s, b_s).sum()) if gpu else 0.0
-    return Hotspots(window_us=win / NS_PER_US, gpu_idle_us=gpu_idle / NS_PER_US, items=items,
+    return Hotspots(window_us=win / NS_PER_US, gpu_idle_us=gpu_idle / NS_PER_US, items=out,
                     classes=classes, has_gpu=gpu)
 
 

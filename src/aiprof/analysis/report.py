@@ -156,47 +156,55 @@ class RankAnalyses:
     counters: CounterAnalysis | None
 
 
-def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15) -> tuple[RankReport, RankAnalyses]:
-    """One rank's report section and the analyses its diagnosis reads."""
+def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15,
+                 tables: bool = True) -> tuple[RankReport, RankAnalyses]:
+    """One rank's report section and the analyses its diagnosis reads. ``tables`` False: the
+    section without the tables a brief one drops (DETAIL_FIELDS; ``hotspots`` keeps its classes,
+    which the cross-rank comparison reads): a rank of a report of many ranks, whose tables are
+    computed only if the report keeps them (scale.job_report): about half the section's CPU
+    (docs/scale.md)."""
     steps = find_steps(rt, entry)
     lo, hi = window(rt)
     breakdown = step_breakdown(rt, steps)
     tree = host_tree(rt)
     gpu = has_gpu(rt)
     gaps = gpu_gaps(rt, steps, tree, gpu_busy(rt)) if gpu else gpu_gaps(rt, Steps(steps.number[:0], steps.start[:0], steps.end[:0], steps.source), tree)
-    hs = hotspots(rt, steps, top=top)
+    hs = hotspots(rt, steps, top=top, items=tables)
     # the GPU-idle time by host class (the host classes add up to the idle time; the gpu: classes
     # are busy time, no part of it)
     classes = {c.cls: c.time_us for c in hs.classes if c.cls in HOST_CLASSES}
     ka = kernel_analysis(rt, len(steps), top)
     ra = runtime_analysis(rt, steps, top=top)
     ca = comm_analysis(rt, int(steps.start.min()), int(steps.end.max())) if len(steps) else comm_analysis(rt)
-    precision = max(ka.precision_us, key=ka.precision_us.get) if ka.precision_us else "bf16"
-    if precision in ("unknown", ""):
-        known = {k: v for k, v in ka.precision_us.items() if k != "unknown"}
-        precision = max(known, key=known.get) if known else "bf16"
-    fa = flops_analysis(rt, steps, precision, gpu)
     ma = memory_from_trace(rt, _step_of(steps), top=10)
-    sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
-    stats = kernel_stats(rt)
     sv = serving_analysis(rt, steps, breakdown)
     hwc = counter_analysis(rt, [f["family"] for f in ka.families])
     rep = RankReport(
         rank=rt.rank, source=rt.source, host=rt.meta.get("host_name", ""), device=_device(rt, gpu),
         step_source=steps.source,
         window={"start_ns": lo, "end_ns": hi, "duration_us": (hi - lo) / 1000.0},
-        steps=breakdown, summary=summarize(breakdown), top_kernels=stats[:top],
+        steps=breakdown, summary=summarize(breakdown), top_kernels=[],
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
-        kernels=asdict(ka), runtime=asdict(ra), hotspots=asdict(hs), communication=asdict(ca),
-        memory=asdict(ma), flops=asdict(fa), step_diff=asdict(sd) if sd else None,
-        kernels_other={**top_with_other(stats, top, "total_us")["other"], "distinct": len(stats)},
-        kernels_by_calls=_by_calls(top_with_other(stats, top, "calls")),
+        hotspots=asdict(hs), communication=asdict(ca), memory=asdict(ma),
         activity=gpu_activity(rt), memops=memop_distribution(rt),
         step_within=steps.within, serving=asdict(sv) if sv else None,
-        counters=asdict(hwc) if hwc else None,
-        native=native_dict(rt, *( (int(steps.start.min()), int(steps.end.max())) if len(steps) else (None, None))),
-        roofline=asdict(roofline(rt)) if gpu else None,
     )
+    if tables:
+        precision = max(ka.precision_us, key=ka.precision_us.get) if ka.precision_us else "bf16"
+        if precision in ("unknown", ""):
+            known = {k: v for k, v in ka.precision_us.items() if k != "unknown"}
+            precision = max(known, key=known.get) if known else "bf16"
+        sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
+        stats = kernel_stats(rt)
+        rep.top_kernels = stats[:top]
+        rep.kernels, rep.runtime = asdict(ka), asdict(ra)
+        rep.flops = asdict(flops_analysis(rt, steps, precision, gpu))
+        rep.step_diff = asdict(sd) if sd else None
+        rep.kernels_other = {**top_with_other(stats, top, "total_us")["other"], "distinct": len(stats)}
+        rep.kernels_by_calls = _by_calls(top_with_other(stats, top, "calls"))
+        rep.counters = asdict(hwc) if hwc else None
+        rep.native = native_dict(rt, *((int(steps.start.min()), int(steps.end.max())) if len(steps) else (None, None)))
+        rep.roofline = asdict(roofline(rt)) if gpu else None
     return rep, RankAnalyses(steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes, sv, hwc)
 
 

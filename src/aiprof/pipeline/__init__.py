@@ -20,11 +20,12 @@ from aiprof.pipeline.stages import (
     assemble,
     build_report,
     cross_rank_stage,
+    detail_ranks,
     diagnose,
     job_claims,
     job_stage,
     rank_stage,
 )
 
-__all__ = ["DETAIL_RANKS", "RankSummary", "analyse_rank", "assemble", "build_report", "cross_rank_stage", "diagnose", "job_claims",
-           "job_stage", "rank_stage"]
+__all__ = ["DETAIL_RANKS", "RankSummary", "analyse_rank", "assemble", "build_report", "cross_rank_stage",
+           "detail_ranks", "diagnose", "job_claims", "job_stage", "rank_stage"]

@@ -17,12 +17,13 @@ from aiprof.trace.store import Capture, RankTrace
 
 
 def analyse_rank(rt: RankTrace, entry: str | None = None, top: int = 15, coupling: RankCollectives | None = None,
-                 offset_ns: float = 0.0, settled: bool = False) -> tuple[RankReport, RankFacts]:
+                 offset_ns: float = 0.0, settled: bool = False, tables: bool = True) -> tuple[RankReport, RankFacts]:
     """One rank's report section and its diagnosis facts. With ``coupling``
     (diagnosis.job.coupling) the rank's replay waits at each collective for the other ranks'
     recorded arrivals; ``offset_ns`` puts the rank on the reference clock. ``settled``: the caller
-    settles the rank with a partner (engine.rank_facts: no calibration or baseline of its own)."""
-    rep, a = rank_section(rt, entry, top)
+    settles the rank with a partner (engine.rank_facts: no calibration or baseline of its own).
+    ``tables`` False: the section without its tables (analysis.report.rank_section)."""
+    rep, a = rank_section(rt, entry, top, tables)
     facts = engine.rank_facts(rt, a.steps, a.breakdown, a.tree, a.gaps, a.runtime, a.kernels, a.comm, a.has_gpu,
                               a.host_idle_by_class, colls=coupling, offset_ns=offset_ns, settled=settled)
     facts.extra["serving"] = a.serving  # the serving causes read the iterations' phases and batches

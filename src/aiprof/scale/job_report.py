@@ -12,6 +12,8 @@
    the straggler's cause.
 6. **Assemble** (driver): causes ranked and linked to symptoms (diagnosis.engine.assemble,
    pipeline.assemble).
+7. **Tables** (one task per rank the report keeps whole, above pipeline.DETAIL_RANKS ranks):
+   the rank's section with its tables, which step 3 left out (pipeline.detail_ranks).
 
 The driver holds the summaries only: each rank's report section (tens of kB), its collectives'
 times and its causes and symptoms. The report has the same schema as the in-process one.
@@ -99,13 +101,15 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     clock["match_s"] = time.perf_counter() - t
     token = uuid.uuid4().hex
     asked = experimental_asked()  # read here: the workers do not share this process's environment
-    # 3. analyse each rank
+    # 3. analyse each rank; a report that keeps the tables of a few ranks only (pipeline.assemble)
+    # gets them in step 7, once the diagnosis has named those ranks
+    tables = detail is None or len(ranks) <= detail
     res: list[tasks.Analysed] = [None] * len(ing)  # type: ignore[list-item]
     calls = []
     for r in ranks:
         partner = inputs.get(pick.get(r))
         calls.append(_call((inputs[r], partner, entry, top, token, coupled and r == ranks[0], len(ranks), coupled,
-                            asked), token, asked, _sources(inputs[r], partner)))
+                            asked, tables), token, asked, _sources(inputs[r], partner)))
     for i, out in run_phase(engine, "analyse", tasks.analyse_rank, calls, reuse, keep, progress, nodes):
         res[i] = out
     reports = [r.report for r in res]
@@ -149,9 +153,19 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     causes += [c for _, cs in sorted(straggler_c, key=lambda t: t[0]) for c in cs]
     symptoms += [s for _, ss in sorted(straggler_s, key=lambda t: t[0]) for s in ss]
     # 6. assemble
-    report = pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross,
-                               assemble(causes, symptoms, [r.baseline for r in res]), detail)
+    diagnosis = assemble(causes, symptoms, [r.baseline for r in res])
     clock["assemble_s"] = time.perf_counter() - t
+    # 7. the tables of the ranks the report keeps whole (the others' sections are brief)
+    if not tables:
+        whole = pipeline.detail_ranks(ranks, cross, diagnosis, detail)
+        at = {r: i for i, r in enumerate(ranks)}
+        calls = [_call((inputs[r], entry, top), token, asked, _sources(inputs[r])) for r in whole]
+        for i, section in run_phase(engine, "tables", tasks.rank_tables, calls, reuse, keep, progress,
+                                    [nodes[at[r]] for r in whole]):
+            reports[at[whole[i]]] = section
+    t = time.perf_counter()
+    report = pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross, diagnosis, detail)
+    clock["assemble_s"] += time.perf_counter() - t
     return report
 
 

@@ -19,6 +19,7 @@ from aiprof import pipeline
 from aiprof.analysis.breakdown import StepBreakdown
 from aiprof.analysis.ranks import RankCollectives as Collectives
 from aiprof.analysis.ranks import diff_evidence, rank_collectives, rank_host
+from aiprof.analysis.report import rank_section
 from aiprof.diagnosis.detector import JobFacts
 from aiprof.diagnosis.engine import Pricer, unprofiled_step_ms
 from aiprof.diagnosis.facts import RankFacts
@@ -130,7 +131,8 @@ def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> R
         while len(_PARTNER) >= PARTNER_CACHE_SIZE:  # evicted before the build: the bound holds throughout
             del _PARTNER[next(iter(_PARTNER))]
         # settled: _pair settles it with the rank it partners (its own fit and baseline unused)
-        _, f = pipeline.analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns, settled=True)
+        _, f = pipeline.analyse_rank(open_rank(inp), entry, top, inp.coupling, inp.offset_ns, settled=True,
+                                     tables=False)  # its report section is not kept
         hit = (f, f.graph.alpha, f.graph.beta, f.base, f.host_scale)
     _PARTNER[key] = hit
     f, alpha, beta, base, scale = hit
@@ -140,13 +142,14 @@ def _partner_facts(inp: RankInput, entry: str | None, top: int, token: str) -> R
 
 
 def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str | None, top: int,
-          token: str) -> tuple[object, RankFacts, list[RankFacts], Pricer]:
+          token: str, tables: bool = True) -> tuple[object, RankFacts, list[RankFacts], Pricer]:
     """The rank's report and facts, and the pricer: the joint replay of the rank with its
-    partner when both are coupled (calibrated together), else the rank's own replay."""
+    partner when both are coupled (calibrated together), else the rank's own replay.
+    ``tables``: the report section with its tables (analysis.report.rank_section)."""
     paired = partner is not None and inp.coupling is not None and partner.coupling is not None
     # a paired rank is settled below (job.settle fits the deflation and replays the baseline anew,
     # whatever rank_facts left): rank_facts skips its own
-    rep, f = pipeline.analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns, settled=paired)
+    rep, f = pipeline.analyse_rank(rt, entry, top, inp.coupling, inp.offset_ns, settled=paired, tables=tables)
     if not paired:
         return rep, f, [f], Pricer([f], False)
     pair = [f, _partner_facts(partner, entry, top, token)]
@@ -159,7 +162,7 @@ def _pair(rt: RankTrace, inp: RankInput, partner: RankInput | None, entry: str |
 
 def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, top: int, token: str,
                  job_cause: bool, n_ranks: int = 0, coupled: bool = False,
-                 asked: frozenset[str] = frozenset()) -> Analysed:
+                 asked: frozenset[str] = frozenset(), tables: bool = True) -> Analysed:
     """One rank's report, causes and symptoms (pipeline.analyse_rank, pipeline.rank_stage). Each
     cause is priced by the joint replay of this rank and its ``partner`` (job_report.partners:
     the rank holding the job back, standing for all the others: the job's step is the slower of
@@ -167,9 +170,11 @@ def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, t
     the job's ranks (else the UNCOUPLED detectors run, as in process).
     ``job_cause``: also run the job's detectors (pipeline.job_stage) on the pair, as among the
     job's ``n_ranks`` ranks, priced on both ranks (the driver asks the lowest rank, as the
-    in-process diagnosis does). ``token`` names the analysis; ``asked``: the experimental codes."""
+    in-process diagnosis does). ``token`` names the analysis; ``asked``: the experimental codes.
+    ``tables`` False: the report section without its tables (a report of many ranks keeps those
+    of a few ranks, computed afterwards by :func:`rank_tables`)."""
     rt = open_rank(inp)
-    rep, f, pair, pricer = _pair(rt, inp, partner, entry, top, token)
+    rep, f, pair, pricer = _pair(rt, inp, partner, entry, top, token, tables)
     s = pipeline.rank_stage(f, pricer, coupled, asked)
     job = []
     if job_cause and pricer.coupled:
@@ -190,8 +195,14 @@ def straggler_rank(ev: dict, slow: RankInput, partner: RankInput | None, base: R
     the straggler's analysis found (one may become the straggler's cause)."""
     slow_rt = open_rank(slow)
     ev = dict(ev, differs=diff_evidence(open_rank(base), slow_rt))
-    _, _, pair, pricer = _pair(slow_rt, slow, partner, entry, top, token)
+    _, _, pair, pricer = _pair(slow_rt, slow, partner, entry, top, token, tables=False)  # the section is not kept
     have = {x.rank for x in pair}
     others = [_Waiting(r, [StepBreakdown(**s) for s in steps]) for r, steps in waiting.items() if r not in have]
     cs, ss = pipeline.cross_rank_stage(JobFacts([*pair, *others], pricer, {}, 0, {"stragglers": [ev]}, own), asked)
     return StragglerFound(differs=ev["differs"], causes=_strip(cs), symptoms=ss, own=own)
+
+
+def rank_tables(inp: RankInput, entry: str | None, top: int) -> dict:
+    """A rank's report section with its tables (the report's ``ranks`` entry): for the ranks a
+    report of many ranks keeps whole, once its diagnosis has named them (pipeline.detail_ranks)."""
+    return asdict(rank_section(open_rank(inp), entry, top)[0])

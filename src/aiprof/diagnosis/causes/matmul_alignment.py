@@ -72,6 +72,7 @@ def _calls(f: RankFacts) -> dict[int, dict]:
     dims = o.strings("input_dims") if "input_dims" in o else None
     types = o.strings("input_types") if "input_types" in o else None
     calls: dict[int, dict] = {}
+    work: dict[tuple[str, int, int], tuple[float, float] | None] = {}
     kern = np.nonzero((g.o_table == 0) & (ko.op_node >= 0))[0]
     for i in kern.tolist():
         node = int(ko.op_node[i])
@@ -83,7 +84,12 @@ def _calls(f: RankFacts) -> dict[int, dict]:
                 calls[node] = {"skip": True}
                 continue
             d = dims.labels[dims.codes[row]] if dims is not None else ""
-            w = op_work(op, d, types.labels[types.codes[row]]) if dims is not None and types is not None else None
+            w = None
+            if dims is not None and types is not None:
+                key = (op, int(dims.codes[row]), int(types.codes[row]))  # calls repeat a few shapes
+                if key not in work:
+                    work[key] = op_work(op, d, types.labels[key[2]])
+                w = work[key]
             c = calls[node] = {"skip": False, "op": op, "dims": d, "ops": [], "ns": 0.0,
                                "flops": w[0] if w else None, "bad": False, "tc": False}
         if c["skip"]:
