@@ -4,6 +4,7 @@ backward, the forward op it differentiates. Shared by the detectors of GPU-kerne
 (unfused elementwise chains, eager attention); computed once per rank and kept in ``f.extra``."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +35,14 @@ class KernelOps:
     numel: np.ndarray  # elements of that op's largest tensor input (0: unknown)
     nbytes: np.ndarray  # bytes of that input
     family: list[str]  # kernel family per graph op ("" for memory ops)
+    family_code: np.ndarray  # per graph op, its family's index in family_labels
+    family_labels: list[str]  # the distinct families
+
+    def family_mask(self, pred: Callable[[str], bool]) -> np.ndarray:
+        """Graph ops whose kernel family satisfies ``pred``: asked once per distinct family (a
+        rank has a few hundred families for tens of thousands of ops). A new array each call."""
+        ok = np.array([bool(pred(x)) for x in self.family_labels] + [False], dtype=bool)
+        return ok[self.family_code]
 
 
 def largest_input(dims: str, types: str) -> tuple[int, int]:
@@ -81,7 +90,9 @@ def kernel_ops(f: RankFacts) -> KernelOps:
             if fam is None:
                 fam = fam_of_code[c] = kernel_family(names.labels[c])
             family[i] = fam
-    got = f.extra["_kernel_ops"] = KernelOps(node, numel, nbytes, family)
+    index: dict[str, int] = {}
+    code = np.fromiter((index.setdefault(x, len(index)) for x in family), dtype=np.int64, count=n)
+    got = f.extra["_kernel_ops"] = KernelOps(node, numel, nbytes, family, code, list(index))
     return got
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -188,6 +189,26 @@ def _fixed_lists(g: Graph) -> tuple[list, ...]:
     return hit[1]
 
 
+class _Unedited(NamedTuple):
+    gap: list  # g.gap
+    cost: list  # g.cost
+    dur: list  # g.o_dur
+    no_act: list  # False per action
+    no_op: list  # False per op
+
+
+def _unedited_lists(g: Graph) -> _Unedited:
+    """The lists :func:`simulate` indexes where an edit leaves the graph's values (most what-ifs
+    change one or two of them), made once per graph and kept like :func:`_fixed_lists`. The
+    replay only reads them."""
+    arrays = (g.gap, g.cost, g.o_dur)
+    hit = g.__dict__.get("_unedited_lists")
+    if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
+        hit = g.__dict__["_unedited_lists"] = (arrays, _Unedited(g.gap.tolist(), g.cost.tolist(), g.o_dur.tolist(),
+                                                                 [False] * g.n_actions, [False] * g.n_ops))
+    return hit[1]
+
+
 def _action_shape(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per action: how many ops it launches, its first op (0 when none), and whether it is
     neither a marker nor waits for an op; made once per graph, kept like :func:`_fixed_lists`."""
@@ -248,18 +269,28 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
     n_act, n_op = g.n_actions, g.n_ops
     gap = g.gap if edit is None or edit.gap_remove is None else g.gap - np.minimum(edit.gap_remove, np.maximum(g.gap, 0))
     cost = g.cost if edit is None or edit.cost_remove is None else np.maximum(g.cost - edit.cost_remove, 0.0)
-    dur = g.o_dur.copy()
+    dur = g.o_dur
     if edit is not None and edit.op_dur is not None:
         m = ~np.isnan(edit.op_dur)
+        dur = dur.copy()
         dur[m] = edit.op_dur[m]
-    drop = edit.drop_op if edit is not None and edit.drop_op is not None else np.zeros(n_op, dtype=bool)
-    packed = edit.packed if edit is not None and edit.packed is not None else np.zeros(n_op, dtype=bool)
-    no_wait = edit.no_wait if edit is not None and edit.no_wait is not None else np.zeros(n_act, dtype=bool)
+    drop = edit.drop_op if edit is not None and edit.drop_op is not None else None
+    packed = edit.packed if edit is not None and edit.packed is not None else None
+    no_wait = edit.no_wait if edit is not None and edit.no_wait is not None else None
     pgap = edit.packed_gap_ns if edit is not None else 0.0
     # plain lists: the loop below indexes them once per event. The loop runs once per host action
     # and GPU op for every what-if priced, so it takes the larger of two floats as
-    # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call.
-    gap_l, cost_l, nowait_l = gap.tolist(), cost.tolist(), no_wait.tolist()
+    # ``b if b > a else a``, which is exactly what max(a, b) returns, without the call. Those no
+    # edit changed are the graph's, made once (_unedited_lists)
+    base = _unedited_lists(g)
+    gap_l = base.gap if gap is g.gap else gap.tolist()
+    cost_l = base.cost if cost is g.cost else cost.tolist()
+    nowait_l = base.no_act if no_wait is None else no_wait.tolist()
+    drop_l = base.no_op if drop is None else drop.tolist()
+    packed_l = base.no_op if packed is None else packed.tolist()
+    drop = np.zeros(n_op, dtype=bool) if drop is None else drop
+    packed = np.zeros(n_op, dtype=bool) if packed is None else packed
+    no_wait = np.zeros(n_act, dtype=bool) if no_wait is None else no_wait
     lists = _fixed_lists(g)
     deps = g.o_deps if edit is None or not edit.deps else g.o_deps | edit.deps
     lat = g.launch_latency_ns
@@ -271,7 +302,7 @@ def simulate(g: Graph, edit: Edit | None = None, starts: list | None = None,
         plain[[j for j, d in deps.items() if d]] = False
     if g.o_coll is not None and transfer:
         plain &= ~np.isin(g.o_coll, list(transfer))
-    per_op = (dur.tolist(), drop.tolist(), packed.tolist(), plain.tolist())
+    per_op = (base.dur if dur is g.o_dur else dur.tolist(), drop_l, packed_l, plain.tolist())
     order = None
     if edit is not None and edit.launch_at:
         order, lists, per_op, deps, shape = _reissued(g, edit.launch_at, lists, per_op, deps)

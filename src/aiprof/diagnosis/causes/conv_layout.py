@@ -56,7 +56,7 @@ def conversions(f: RankFacts) -> np.ndarray:
     if not g.n_ops:
         return out
     ko = kernel_ops(f)
-    fam = np.array([any(w in x.lower() for w in CONVERSION_WORDS) for x in ko.family] + [False])[:g.n_ops]
+    fam = ko.family_mask(lambda x: any(w in x.lower() for w in CONVERSION_WORDS))
     if not fam.any():
         return out
     conv_nodes = f.node_mask(lambda s: s in CONV_OPS, (OP,))
@@ -69,8 +69,7 @@ def conversions(f: RankFacts) -> np.ndarray:
 def nchw_batch_norm(f: RankFacts) -> np.ndarray:
     """Mask over graph ops: ATen's channels-first batch-norm kernels."""
     ko = kernel_ops(f)
-    return np.array([BATCH_NORM_WORD in x and CHANNELS_LAST_WORD not in x for x in ko.family] + [False],
-                    dtype=bool)[:f.graph.n_ops]
+    return ko.family_mask(lambda x: BATCH_NORM_WORD in x and CHANNELS_LAST_WORD not in x)
 
 
 def detect(f: RankFacts) -> list[Cause]:

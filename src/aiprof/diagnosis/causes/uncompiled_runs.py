@@ -115,7 +115,7 @@ def causal_sdpa_in_transformers(f: RankFacts) -> np.ndarray:
     seqs = seqs[seqs >= 0]
     if len(seqs):
         out |= np.isin(backward_node_seq(f, ko.op_node), seqs) & has_op
-    out &= np.array([fam != "" and not fam.startswith(ATEN_FAMILY_PREFIX) for fam in ko.family], dtype=bool)
+    out &= ko.family_mask(lambda fam: fam != "" and not fam.startswith(ATEN_FAMILY_PREFIX))
     return out
 
 
@@ -128,7 +128,7 @@ def runs(f: RankFacts) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     if g.n_ops:
         ko = kernel_ops(f)
-        member = np.array([fam.startswith(ATEN_FAMILY_PREFIX) for fam in ko.family], dtype=bool)
+        member = ko.family_mask(lambda fam: fam.startswith(ATEN_FAMILY_PREFIX))
         member &= in_modules(f)
         member &= ~owned_before(f, CODE)[g.o_action]  # the same at this detector's turn and after every rank's
         # the kernels an earlier cause's fix removes or replaces are boundaries, not members
@@ -160,7 +160,8 @@ def rank_cause(f: RankFacts) -> Cause | None:
     by_site: dict[int, float] = {}
     op_ns: dict[str, float] = {}
     dispatch = np.zeros(len(t), dtype=bool)  # the ops whose kernels fuse into another's
-    for run in found:
+    sites = unfused_pointwise.site_nodes(f, [int(ko.op_node[run[0]]) for run in found])
+    for run, site in zip(found, sites):
         keep = int(run[np.argmax(g.o_dur[run])])
         gone = run[run != keep]
         drop_kernels(e, g, gone)
@@ -169,7 +170,6 @@ def rank_cause(f: RankFacts) -> Cause | None:
         ns = float(g.o_dur[run].sum())
         run_ns += ns
         kept_ns += float(g.o_dur[keep])
-        site = unfused_pointwise.site_node(f, int(ko.op_node[run[0]]))
         by_site[site] = by_site.get(site, 0.0) + ns - float(g.o_dur[keep])
         for i in run.tolist():
             node = int(ko.op_node[i])

@@ -61,7 +61,7 @@ def chains(f: RankFacts) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     if g.n_ops:
         ko = kernel_ops(f)
-        member = np.array([fam in CHAIN_FAMILIES for fam in ko.family], dtype=bool)
+        member = ko.family_mask(lambda fam: fam in CHAIN_FAMILIES)
         for fwd, bwd in eager_attention.region_ops(f):  # EAGER_ATTENTION's kernels: its fix removes them
             member[fwd] = member[bwd] = False
         # kernels launched in a host region an earlier cause owns (a for-loop optimizer's
@@ -77,13 +77,16 @@ def chains(f: RankFacts) -> list[np.ndarray]:
     return out
 
 
-def site_node(f: RankFacts, op_node: int) -> int:
-    """The node whose Python site names a chain: its op, or for a backward op the forward op it
-    differentiates (the backward thread has no Python frames)."""
-    if op_node < 0 or f.tree.user_site(op_node):
-        return op_node
-    seq = int(backward_node_seq(f, np.array([op_node]))[0])
-    return forward_of(f).get(seq, op_node)
+def site_nodes(f: RankFacts, op_nodes: list[int]) -> list[int]:
+    """Per op node, the node whose Python site names its chain: the op, or for a backward op the
+    forward op it differentiates (the backward thread has no Python frames). One walk up the
+    tree for all of them (a rank has thousands of chains)."""
+    need = [n for n in op_nodes if n >= 0 and not f.tree.user_site(n)]
+    if not need:
+        return list(op_nodes)
+    seq = dict(zip(need, backward_node_seq(f, np.array(need, dtype=np.int64)).tolist()))
+    fwd = forward_of(f)
+    return [fwd.get(seq[n], n) if n in seq else n for n in op_nodes]
 
 
 def detect(f: RankFacts) -> list[Cause]:
@@ -99,14 +102,14 @@ def detect(f: RankFacts) -> list[Cause]:
     kept_ns = 0.0
     op_ns: dict[str, float] = {}
     by_site: dict[int, float] = {}
-    for run in found:
+    sites = site_nodes(f, [int(ko.op_node[run[0]]) for run in found])
+    for run, site in zip(found, sites):
         full = ko.numel[run] >= FULL_SHARE * ko.numel[run].max()
         keep = int(run[full][np.argmax(g.o_dur[run[full]])])
         drop_kernels(e, g, run[run != keep])
         ns = float(g.o_dur[run].sum())
         chain_ns += ns
         kept_ns += float(g.o_dur[keep])
-        site = site_node(f, int(ko.op_node[run[0]]))
         by_site[site] = by_site.get(site, 0.0) + ns
         for i in run.tolist():
             node = int(ko.op_node[i])
