@@ -3,11 +3,13 @@ with no command from outside."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 from capsupport import PY, SCRIPTS, aiprof, load_meta, load_trace, profiler_steps
 
-from aiprof.agent.autotrigger import AutoConfig, expected_gap, slowdown
+from aiprof.agent.autotrigger import AutoConfig, AutoTrigger, expected_gap, slowdown, thread_stacks
 
 SCRIPT = SCRIPTS / "slowdown_train.py"
 FAST = 16
@@ -82,3 +84,54 @@ def test_slowdown_rule_and_expected_gap_names():
     assert expected_gap([{"function": "stuck_read"}], AutoConfig().expected_gap_words) is None
     assert AutoConfig.from_env("0") is None and AutoConfig.from_env("1") == AutoConfig()
     assert AutoConfig.from_env('{"gap_s": 7}').gap_s == 7
+
+
+class _Tracker:
+    """The agent's step tracker as the auto-trigger reads it: a step count and the seconds since
+    the last step ended, set by the test."""
+
+    def __init__(self) -> None:
+        self.count, self.age, self.durations = 5, 0.0, []
+
+    def seconds_since_boundary(self) -> float:
+        return self.age
+
+    def recent_ms(self, n: int) -> list[float]:
+        return []
+
+
+def test_a_stall_right_after_an_expected_gap_counts_from_its_end(tmp_path):
+    """A checkpoint longer than gap_s, then the step it interrupted goes on: the step has not
+    ended yet but the main thread is back in its own work. That is no stall (CI caught one such
+    snapshot: a poll landed between the checkpoint's end and the step's); a real stall after the
+    checkpoint is one gap_s after the checkpoint's end. Polls with given times, from this thread
+    (the main thread), inside or outside a function named like a checkpoint."""
+    tr = _Tracker()
+    agent = SimpleNamespace(tracker=tr, driver=SimpleNamespace(holding_since=None, held_until=None, state="busy"))
+    auto = AutoTrigger(agent, AutoConfig(out=str(tmp_path), gap_s=1.0, first_gap_factor=1.0,
+                                         expected_gap_factor=10.0, min_interval_s=0.0))
+    assert threading.current_thread() is threading.main_thread()
+    here = next(t for t in thread_stacks() if t["thread_id"] == threading.main_thread().ident)["frames"]
+    assert expected_gap(here, auto.cfg.expected_gap_words) is None  # this test's own frames name none
+
+    def poll_inside_save_checkpoint(age: float, now: float) -> None:
+        tr.age = age
+        auto.poll(now)
+
+    def poll(age: float, now: float) -> None:
+        tr.age = age
+        auto.poll(now)
+
+    poll_inside_save_checkpoint(3.0, 100.0)  # 3 s into a checkpoint: expected, up to 10 s
+    assert auto.snapshots == 0 and auto.events[-1]["action"] == "expected_gap"
+    poll(3.1, 100.1)  # the checkpoint returned 0.1 s ago; the step goes on
+    poll(3.9, 100.9)
+    assert auto.snapshots == 0
+    poll(4.2, 101.2)  # 1.2 s since the checkpoint's end and still no step: a stall
+    assert auto.snapshots == 1
+    meta = json.loads(next(tmp_path.glob("snap-*/rank*/meta.json")).read_text())
+    assert meta["trigger"]["no_step_for_s"] == 1.2 and meta["trigger"]["expected_gap_function"] is None
+    # a gap of another step with no checkpoint in it counts from that step's end
+    tr.count = 6
+    poll(1.5, 110.0)
+    assert auto.snapshots == 2

@@ -12,7 +12,8 @@ read and a deque append per step); a daemon thread looks at them twice a second:
   a stack snapshot of all threads (``sys._current_frames``: no ptrace, no py-spy needed).
   Expected gaps are recognised: if the main thread is inside a function whose name contains
   one of ``expected_gap_words`` (checkpoint, save, eval, validate...), the gap is logged as
-  expected and only snapshotted past ``expected_gap_factor`` × ``gap_s``; the first gap of the
+  expected and only snapshotted past ``expected_gap_factor`` × ``gap_s`` (once that function has
+  returned, the rest of the gap counts from its end); the first gap of the
   run (compilation, first evaluation, data-loader start) gets ``first_gap_factor`` × ``gap_s``.
 
 Both are rate-limited (``min_interval_s`` between auto actions of one kind, ``max_captures``,
@@ -134,6 +135,9 @@ class AutoTrigger:
         self.gaps_seen = 0
         self._gap_done_at: int | None = None  # step count when the current gap was handled
         self._gap_logged_at: int | None = None
+        # (step count, when) the main thread was last seen in an expected gap's function: a gap
+        # that was a checkpoint counts, once it has ended, from its end (see _check_gap)
+        self._expected_seen: tuple[int, float] | None = None
         self.events: list[dict] = []  # what it decided, for status and tests (bounded)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -201,6 +205,12 @@ class AutoTrigger:
         stacks = thread_stacks()
         main = next((t for t in stacks if t["thread_id"] == threading.main_thread().ident), None)
         where = expected_gap(main["frames"] if main else [], cfg.expected_gap_words)
+        if where:
+            self._expected_seen = (count, now)
+        elif self._expected_seen is not None and self._expected_seen[0] == count:
+            # the checkpoint has ended but the step it interrupted has not yet: the main thread is
+            # back in the step's own work, no stall (yet). A stall after it counts from its end
+            age = min(age, now - self._expected_seen[1])
         if where:
             if self._gap_logged_at != count:
                 self._gap_logged_at = count
