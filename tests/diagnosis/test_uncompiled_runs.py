@@ -40,7 +40,8 @@ def test_transformers_sdpa_compiled_is_priced_with_its_dense_mask(v3b_capture):
     assert nano["evidence"]["dense_mask_attention_us_per_step"] == 0 and "mask" not in nano["remedy"]
     f = analyse_rank(v3b_capture("compile_hf_fault").ranks[0], None, 15)[1]
     masked = uncompiled_runs.causal_sdpa_in_transformers(f)
-    fams = {uncompiled_runs.kernel_ops(f).family[i] for i in np.nonzero(masked)[0]}
+    ko = uncompiled_runs.kernel_ops(f)
+    fams = {ko.family_labels[c] for c in ko.family_code[masked].tolist()}
     assert fams and all("sdpa" in x or "cudnn" in x for x in fams)  # the attention kernels, forward and backward
 
 

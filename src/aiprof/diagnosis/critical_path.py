@@ -154,6 +154,15 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
     gpu_end = float(o_end[~drop[:n_o]].max()) if n_o and (~drop[:n_o]).any() else lo
     lat = g.launch_latency_ns
     pgap = eff["packed_gap_ns"]
+    # the walk visits one event at a time: it indexes lists (a list index costs a fraction of a
+    # numpy scalar's; the values, and so the path, are the same)
+    a_start_l, a_end_l, o_ready_l, o_end_l = a_start.tolist(), a_end.tolist(), o_ready.tolist(), o_end.tolist()
+    a_wait_l, a_kind_l = g.a_wait.tolist(), g.a_kind.tolist()
+    o_action_l, o_delay_l = g.o_action.tolist(), g.o_delay.tolist()
+    a_coll_l = g.a_coll.tolist() if g.a_coll is not None else None
+    o_coll_l = g.o_coll.tolist() if g.o_coll is not None else None
+    drop_l, packed_l, no_wait_l, gap_l = drop.tolist(), packed.tolist(), no_wait.tolist(), gap.tolist()
+    cur_before_l, src_l, prev_on_l = cur_before.tolist(), src.tolist(), prev_on.tolist()
     state, i = (("o", int(np.argmax(np.where(drop[:n_o], -np.inf, o_end)))) if gpu_end > host_end
                 else ("a_end", int(np.argmax(a_end))) if n_a else ("done", -1))
     complete = False
@@ -162,40 +171,40 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
             complete = True
             break
         if state == "a_end":
-            st, en = float(a_start[i]), float(a_end[i])
-            w = int(g.a_wait[i])
-            if g.a_kind[i] == COLL_END and not no_wait[i] and en > st:
-                c = int(g.a_coll[i])
+            st, en = a_start_l[i], a_end_l[i]
+            w = a_wait_l[i]
+            if a_kind_l[i] == COLL_END and not no_wait_l[i] and en > st:
+                c = a_coll_l[i]
                 arr_i = coll_start.get(c, -1)
-                arr = float(a_start[arr_i]) if arr_i >= 0 else st
+                arr = a_start_l[arr_i] if arr_i >= 0 else st
                 tx = float(transfer.get(c, 0.0))
                 add(TRANSFER, i, tx, en)
                 add(WAIT, i, en - tx - arr, en - tx)
                 state, i = ("a_start", arr_i) if arr_i >= 0 else ("a_start", i)
-            elif w >= 0 and w < n_o and not no_wait[i] and o_end[w] > st:
-                add(CALL, i, en - float(o_end[w]), en)
+            elif w >= 0 and w < n_o and not no_wait_l[i] and o_end_l[w] > st:
+                add(CALL, i, en - o_end_l[w], en)
                 state, i = "o", w
             else:
                 add(CALL, i, en - st, en)
                 state = "a_start"
         elif state == "a_start":
-            st = float(a_start[i])
+            st = a_start_l[i]
             if i == 0:
                 add(HOST, 0, st - lo, st)
                 state = "done"
-            elif cur_before[i] + gap[i] >= a_start[i - 1]:
-                add(HOST, i, st - float(cur_before[i]), st)
-                state, i = ("a_end", int(src[i])) if src[i] >= 0 else ("done", -1)
+            elif cur_before_l[i] + gap_l[i] >= a_start_l[i - 1]:
+                add(HOST, i, st - cur_before_l[i], st)
+                state, i = ("a_end", int(src_l[i])) if src_l[i] >= 0 else ("done", -1)
             else:
                 i -= 1
         else:  # an op's end
             j = i
-            en, ready = float(o_end[j]), float(o_ready[j])
-            act = int(g.o_action[j])
-            if drop[j]:
+            en, ready = o_end_l[j], o_ready_l[j]
+            act = o_action_l[j]
+            if drop_l[j]:
                 state, i = "a_start", act
                 continue
-            c = int(g.o_coll[j]) if g.o_coll is not None else -1
+            c = o_coll_l[j] if o_coll_l is not None else -1
             if c >= 0 and c in transfer:
                 tx = float(transfer[c])
                 add(TRANSFER, j, tx, en, False)
@@ -203,23 +212,23 @@ def walk(f: RankFacts, edit: Edit | None = None) -> CriticalPath:
             else:
                 add(GPU, j, en - ready, en, False)
             t = ready
-            if not packed[j]:
-                d = float(g.o_delay[j])
+            if not packed_l[j]:
+                d = float(o_delay_l[j])
                 add(DELAY, j, d, t, False)
                 t -= d
             cands = []
-            p = int(prev_on[j])
+            p = prev_on_l[j]
             if p >= 0:
-                cands.append((float(o_end[p]) + (pgap if packed[j] else 0.0), "tail", p))
-            cands.append((float(a_start[act]) + (0.0 if packed[j] else lat), "launch", act))
-            for dd in g.o_deps.get(j, ()) if not packed[j] else ():
-                cands.append((float(o_end[dd]), "dep", int(dd)))
+                cands.append((o_end_l[p] + (pgap if packed_l[j] else 0.0), "tail", p))
+            cands.append((a_start_l[act] + (0.0 if packed_l[j] else lat), "launch", act))
+            for dd in g.o_deps.get(j, ()) if not packed_l[j] else ():
+                cands.append((o_end_l[int(dd)], "dep", int(dd)))
             v, how, k = max(cands, key=lambda x: x[0])
             if how == "tail":
-                add(LATENCY, j, t - float(o_end[p]), t, False)
+                add(LATENCY, j, t - o_end_l[p], t, False)
                 state, i = "o", p
             elif how == "launch":
-                add(LATENCY, j, t - float(a_start[act]), t, False)
+                add(LATENCY, j, t - a_start_l[act], t, False)
                 state, i = "a_start", act
             else:
                 add(LATENCY, j, t - v, t, False)

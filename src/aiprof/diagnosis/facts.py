@@ -84,9 +84,17 @@ class RankFacts:
             ok = np.array([bool(pred(s)) for s in self.tree.labels] + [False], dtype=bool)
             m = ok[self.tree.code] if len(self.tree) else np.zeros(0, dtype=bool)
             if kinds is not None and len(m):
-                m &= np.isin(self.tree.kind, kinds)
+                m &= self._kind_mask(kinds)
             memo[key] = m
         return memo[key]
+
+    def _kind_mask(self, kinds: tuple[int, ...]) -> np.ndarray:
+        """Tree nodes whose kind is in ``kinds``; cached: detectors ask for a few kinds hundreds
+        of times (node_mask's keys are their predicates)."""
+        memo = self.extra.setdefault("_kind_masks", {})
+        if kinds not in memo:
+            memo[kinds] = np.isin(self.tree.kind, kinds)
+        return memo[kinds]
 
     def under(self, roots: np.ndarray) -> np.ndarray:
         """Nodes that are, or descend from, a node in the mask ``roots`` (one vectorised pass

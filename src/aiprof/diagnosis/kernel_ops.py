@@ -34,9 +34,8 @@ class KernelOps:
     op_node: np.ndarray  # tree node of the innermost host op that launched it (-1: none)
     numel: np.ndarray  # elements of that op's largest tensor input (0: unknown)
     nbytes: np.ndarray  # bytes of that input
-    family: list[str]  # kernel family per graph op ("" for memory ops)
-    family_code: np.ndarray  # per graph op, its family's index in family_labels
-    family_labels: list[str]  # the distinct families
+    family_code: np.ndarray  # per graph op, its kernel family's index in family_labels
+    family_labels: list[str]  # the distinct families; "" (memory ops, no kernel) is code 0
 
     def family_mask(self, pred: Callable[[str], bool]) -> np.ndarray:
         """Graph ops whose kernel family satisfies ``pred``: asked once per distinct family (a
@@ -79,20 +78,18 @@ def kernel_ops(f: RankFacts) -> KernelOps:
                          dtype=np.int64).reshape(-1, 2)
         numel[ok] = sizes[inv, 0]
         nbytes[ok] = sizes[inv, 1]
+    # families per distinct kernel name (a rank has tens of thousands of ops, a few hundred names);
+    # memory ops and ops without a kernel are family "" (code 0)
+    index = {"": 0}
+    code = np.zeros(n, np.int64)
     k = f.rt.kernels
-    fam_of_code: dict[int, str] = {}
-    family = [""] * n
     if n and len(k):
         names = k.strings("name")
         kern = np.nonzero(g.o_table == 0)[0]
-        for i, c in zip(kern.tolist(), names.codes[g.o_row[kern]].tolist()):
-            fam = fam_of_code.get(c)
-            if fam is None:
-                fam = fam_of_code[c] = kernel_family(names.labels[c])
-            family[i] = fam
-    index: dict[str, int] = {}
-    code = np.fromiter((index.setdefault(x, len(index)) for x in family), dtype=np.int64, count=n)
-    got = f.extra["_kernel_ops"] = KernelOps(node, numel, nbytes, family, code, list(index))
+        uniq, inv = np.unique(names.codes[g.o_row[kern]], return_inverse=True)
+        fam = [index.setdefault(kernel_family(names.labels[c]), len(index)) for c in uniq.tolist()]
+        code[kern] = np.asarray(fam, np.int64)[inv]
+    got = f.extra["_kernel_ops"] = KernelOps(node, numel, nbytes, code, list(index))
     return got
 
 
@@ -107,10 +104,12 @@ def forward_of(f: RankFacts) -> dict[int, int]:
     if len(t) and len(o) and "seq" in o:
         ops = np.nonzero(t.kind == OP)[0]
         seq = o["seq"][t.row[ops]]
-        names = [t.labels[c] for c in t.code[ops].tolist()]
-        for node, s, name in zip(ops.tolist(), seq.tolist(), names):
-            if s >= 0 and not name.endswith(BACKWARD_SUFFIXES) and s not in out:
-                out[s] = node
+        keep = (seq >= 0) & ~f.node_mask(_is_backward, (OP,))[ops]
+        ops, seq = ops[keep], seq[keep]
+        # each sequence number's first op in tree order (outermost first), in that order
+        uniq, first = np.unique(seq, return_index=True)
+        by_first = np.argsort(first, kind="stable")
+        out = dict(zip(uniq[by_first].tolist(), ops[first[by_first]].tolist()))
     f.extra["_forward_of"] = out
     return out
 

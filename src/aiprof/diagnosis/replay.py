@@ -15,14 +15,16 @@ with ``ProfilerCost.none()`` it reproduces the recorded timeline (tests check bo
 """
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
 from aiprof import npx
 from aiprof.diagnosis.graph import COLL_END, COLL_START, END, STEP, Graph
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -170,23 +172,31 @@ def _floats(values: list) -> np.ndarray:
     return np.fromiter(values, np.float64, len(values))
 
 
-def _fixed_lists(g: Graph) -> tuple[list, ...]:
-    """The graph's arrays no edit changes, as the lists :func:`simulate` indexes, made once per
-    graph (it is replayed once per what-if priced); kept with the arrays they were made from, so
-    a graph given new arrays gets new lists. ``o_action``'s list ends with a sentinel -1; streams
-    are numbered 0, 1, ... in order of first use (the replay keeps each one's tail in a list)."""
-    arrays = (g.a_kind, g.a_wait, g.o_action, g.o_stream, g.o_delay, g.a_coll, g.o_coll)
-    hit = g.__dict__.get("_fixed_lists")
+def _per_graph(g: Graph, name: str, arrays: tuple, make: Callable[[], T]) -> T:
+    """``make()``, made once per graph (it is replayed once per what-if priced) and kept in the
+    graph under ``name`` with the arrays it was made from: a graph given new arrays (a deflation,
+    a rebuild) gets it made anew."""
+    hit = g.__dict__.get(name)
     if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
+        hit = g.__dict__[name] = (arrays, make())
+    return hit[1]
+
+
+def _fixed_lists(g: Graph) -> tuple[list, ...]:
+    """The graph's arrays no edit changes, as the lists :func:`simulate` indexes (:func:`_per_graph`).
+    ``o_action``'s list ends with a sentinel -1; streams are numbered 0, 1, ... in order of first
+    use (the replay keeps each one's tail in a list)."""
+    def make() -> tuple[list, ...]:
         oact = g.o_action.tolist()
         oact.append(-1)  # a sentinel no action matches: the op loop needs no bound check
         dense: dict[int, int] = {}
         ostream = [dense.setdefault(s, len(dense)) for s in g.o_stream.tolist()]
-        lists = (g.a_kind.tolist(), g.a_wait.tolist(), oact, ostream, g.o_delay.tolist(),
-                 g.a_coll.tolist() if g.a_coll is not None else [-1] * g.n_actions,
-                 g.o_coll.tolist() if g.o_coll is not None else [-1] * g.n_ops, len(dense))
-        hit = g.__dict__["_fixed_lists"] = (arrays, lists)
-    return hit[1]
+        return (g.a_kind.tolist(), g.a_wait.tolist(), oact, ostream, g.o_delay.tolist(),
+                g.a_coll.tolist() if g.a_coll is not None else [-1] * g.n_actions,
+                g.o_coll.tolist() if g.o_coll is not None else [-1] * g.n_ops, len(dense))
+
+    return _per_graph(g, "_fixed_lists", (g.a_kind, g.a_wait, g.o_action, g.o_stream, g.o_delay, g.a_coll, g.o_coll),
+                      make)
 
 
 class _Unedited(NamedTuple):
@@ -199,27 +209,23 @@ class _Unedited(NamedTuple):
 
 def _unedited_lists(g: Graph) -> _Unedited:
     """The lists :func:`simulate` indexes where an edit leaves the graph's values (most what-ifs
-    change one or two of them), made once per graph and kept like :func:`_fixed_lists`. The
-    replay only reads them."""
-    arrays = (g.gap, g.cost, g.o_dur)
-    hit = g.__dict__.get("_unedited_lists")
-    if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
-        hit = g.__dict__["_unedited_lists"] = (arrays, _Unedited(g.gap.tolist(), g.cost.tolist(), g.o_dur.tolist(),
-                                                                 [False] * g.n_actions, [False] * g.n_ops))
-    return hit[1]
+    change one or two of them), made once per graph (:func:`_per_graph`). The replay only reads
+    them."""
+    return _per_graph(g, "_unedited_lists", (g.gap, g.cost, g.o_dur),
+                      lambda: _Unedited(g.gap.tolist(), g.cost.tolist(), g.o_dur.tolist(),
+                                        [False] * g.n_actions, [False] * g.n_ops))
 
 
 def _action_shape(g: Graph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per action: how many ops it launches, its first op (0 when none), and whether it is
-    neither a marker nor waits for an op; made once per graph, kept like :func:`_fixed_lists`."""
-    arrays = (g.a_kind, g.a_wait, g.o_action)
-    hit = g.__dict__.get("_action_shape")
-    if hit is None or any(a is not b for a, b in zip(hit[0], arrays)):
-        n_of = np.bincount(g.o_action, minlength=g.n_actions)[:g.n_actions] if g.n_ops else np.zeros(g.n_actions, np.int64)
+    neither a marker nor waits for an op; made once per graph (:func:`_per_graph`)."""
+    def make() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n_of = (np.bincount(g.o_action, minlength=g.n_actions)[:g.n_actions] if g.n_ops
+                else np.zeros(g.n_actions, np.int64))
         first_of = np.minimum(np.searchsorted(g.o_action, np.arange(g.n_actions), side="left"), max(g.n_ops - 1, 0))
-        bulk = (g.a_kind < STEP) & (g.a_wait < 0)
-        hit = g.__dict__["_action_shape"] = (arrays, (n_of, first_of, bulk))
-    return hit[1]
+        return n_of, first_of, (g.a_kind < STEP) & (g.a_wait < 0)
+
+    return _per_graph(g, "_action_shape", (g.a_kind, g.a_wait, g.o_action), make)
 
 
 def issue_order(g: Graph, launch_at: dict) -> np.ndarray:

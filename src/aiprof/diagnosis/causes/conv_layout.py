@@ -109,8 +109,9 @@ def detect(f: RankFacts) -> list[Cause]:
     ns = float(g.o_dur[conv].sum())
     bn_ns = float(g.o_dur[bn].sum())
     bn_saved = bn_ns - float(e.op_dur[bn].sum()) if bn.any() else 0.0
-    top = max({ko.family[i] for i in np.nonzero(conv)[0]}, key=lambda x: sum(
-        float(g.o_dur[i]) for i in np.nonzero(conv)[0] if ko.family[i] == x))
+    # the conversion family that took the most time (the first such family on a tie)
+    top = ko.family_labels[int(np.argmax(np.bincount(ko.family_code[conv], weights=g.o_dur[conv],
+                                                     minlength=len(ko.family_labels))))]
     return [Cause(
         code=CODE, rank=f.rank,
         title=(f"{ms(ns / per)} per step in {int(conv.sum()) / per:.0f} layout conversions around convolutions "

@@ -57,49 +57,57 @@ def _odd_dims(dims: str) -> list[int]:
     return out
 
 
+def _label(col, code: int) -> str:
+    """A string column's value for ``code`` ("" for a missing value, code -1)."""
+    return col.labels[code] if code >= 0 else ""
+
+
 def _calls(f: RankFacts) -> dict[int, dict]:
-    """Per launching matmul op call (tree node): its graph ops, kernel time, FLOPs (None without
-    shapes), whether a kernel of it is misaligned and whether it ran on tensor cores."""
+    """Per launching matmul op call (tree node), in launch order: its graph ops, kernel time,
+    FLOPs (None without shapes), whether a kernel of it is misaligned and whether it ran on
+    tensor cores."""
     g, t, o = f.graph, f.tree, f.rt.ops
     k = f.rt.kernels
     if not g.n_ops or not len(k) or not len(o):
         return {}
-    names = k.strings("name")
     ko = kernel_ops(f)
+    kern = np.nonzero((g.o_table == 0) & (ko.op_node >= 0))[0]
+    onames = o.strings("name")
+    # names, shapes and kernels are tested once per distinct value (tens of thousands of ops)
+    is_mm = np.array([x in MATMUL_OPS for x in onames.labels] + [False])
+    kern = kern[is_mm[onames.codes[t.row[ko.op_node[kern]]]]]
+    if not len(kern):
+        return {}
+    names = k.strings("name")
     bad_code = np.array([misaligned(s) for s in names.labels] + [False])
     tc_code = np.array([is_tensor_core_kernel(s) for s in names.labels] + [False])
-    onames = o.strings("name")
+    kcode = names.codes[g.o_row[kern]]
+    nodes, first, inv = np.unique(ko.op_node[kern], return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # the calls in launch order, as the ops run
+    # sums in op order, as a loop over the ops adds them
+    ns = np.bincount(inv, weights=g.o_dur[kern], minlength=len(nodes))
+    bad = np.bincount(inv, weights=bad_code[kcode], minlength=len(nodes)) > 0
+    tc = np.bincount(inv, weights=tc_code[kcode], minlength=len(nodes)) > 0
+    by_call = np.argsort(inv, kind="stable")
+    ops = np.split(kern[by_call], np.cumsum(np.bincount(inv, minlength=len(nodes)))[:-1])
     dims = o.strings("input_dims") if "input_dims" in o else None
     types = o.strings("input_types") if "input_types" in o else None
+    work: dict[tuple[str, int, int], tuple[float, float] | None] = {}  # calls repeat a few shapes
     calls: dict[int, dict] = {}
-    work: dict[tuple[str, int, int], tuple[float, float] | None] = {}
-    kern = np.nonzero((g.o_table == 0) & (ko.op_node >= 0))[0]
-    for i in kern.tolist():
-        node = int(ko.op_node[i])
-        c = calls.get(node)
-        if c is None:
-            row = int(t.row[node])
-            op = onames.labels[onames.codes[row]]
-            if op not in MATMUL_OPS:
-                calls[node] = {"skip": True}
-                continue
-            d = dims.labels[dims.codes[row]] if dims is not None else ""
-            w = None
-            if dims is not None and types is not None:
-                key = (op, int(dims.codes[row]), int(types.codes[row]))  # calls repeat a few shapes
-                if key not in work:
-                    work[key] = op_work(op, d, types.labels[key[2]])
-                w = work[key]
-            c = calls[node] = {"skip": False, "op": op, "dims": d, "ops": [], "ns": 0.0,
-                               "flops": w[0] if w else None, "bad": False, "tc": False}
-        if c["skip"]:
-            continue
-        code = names.codes[g.o_row[i]]
-        c["ops"].append(i)
-        c["ns"] += float(g.o_dur[i])
-        c["bad"] |= bool(bad_code[code])
-        c["tc"] |= bool(tc_code[code])
-    return {n: c for n, c in calls.items() if not c["skip"]}
+    for j in order.tolist():
+        node = int(nodes[j])
+        row = int(t.row[node])
+        op = onames.labels[onames.codes[row]]
+        d = _label(dims, int(dims.codes[row])) if dims is not None else ""
+        w = None
+        if dims is not None and types is not None:
+            key = (op, int(dims.codes[row]), int(types.codes[row]))
+            if key not in work:
+                work[key] = op_work(op, d, _label(types, key[2]))
+            w = work[key]
+        calls[node] = {"op": op, "dims": d, "ops": ops[j].tolist(), "ns": float(ns[j]),
+                       "flops": w[0] if w else None, "bad": bool(bad[j]), "tc": bool(tc[j])}
+    return calls
 
 
 def detect(f: RankFacts) -> list[Cause]:
