@@ -1,7 +1,7 @@
 """Pack what bench/scale.py needs on a machine without internet into .whl/ (git-ignored).
 
 The GPU machines have Python 3.12 with numpy, pyarrow, rich and most of Ray's own needs, but
-not Ray, jsonschema (and its three needs) or msgspec. Ray's wheel is 79 MB and the working tree
+not Ray, jsonschema (and its three needs), msgspec or isal. Ray's wheel is 79 MB and the working tree
 that travels is limited to 64 MiB, so Ray travels as a slimmed tarball of its installed files:
 without the Java jar (ray/jars, 33 MB: Java workers), the libraries aiprof does not use (rllib,
 tune, train, serve, data, llm), the dashboard's web front end, and with its binaries stripped of
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY = "ray==2.60.0"
 # Ray's and aiprof's needs that the GPU image lacks (its package list: device KINDS.md)
 WHEELS = ["jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
-          "msgspec==0.22.0"]
+          "msgspec==0.22.0", "isal==1.9.1"]
 # Parts of Ray that `import ray`, ray.init and remote tasks never load
 DROP = ("ray/jars/", "ray/rllib/", "ray/tune/", "ray/train/", "ray/serve/", "ray/data/", "ray/llm/",
         "ray/dashboard/client/")

@@ -1,6 +1,6 @@
 #!/bin/bash
 # bench/scale.py on a lent many-core machine, before and after: the 1,024-rank targets of issue 34.
-# Carry .whl (bench/scale_bundle.py: a slim Ray, jsonschema's and msgspec's wheels) and .dev/base
+# Carry .whl (bench/scale_bundle.py: a slim Ray, jsonschema's, msgspec's and isal's wheels) and .dev/base
 # (the baseline's src/: `git archive REV src | tar -x -C .dev/base`); the working tree and carry
 # must fit 64 MiB: leave tests/data out but for the templates (git sparse-checkout).
 # Usage: bash bench/scale_device.sh [TEMPLATE RANKS WORKERS [TASKSET_CPUS]]
