@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from aiprof import npx
@@ -73,9 +74,10 @@ class RankTrace:
             path = os.path.join(self.store_dir, f"{name}.parquet") if self.store_dir else None
             if path and os.path.exists(path):
                 # ParquetFile, not read_table: read_table's pyarrow.dataset imports pandas (0.4
-                # CPU-s in each fresh worker); the table read is the same
+                # CPU-s in each fresh worker); the table read is the same. No reader threads: a
+                # task has one CPU (engines.TASK_CPUS), and on a full host they only contend
                 with pq.ParquetFile(path) as pf:
-                    t = Table.from_arrow(pf.read())
+                    t = Table.from_arrow(pf.read(use_threads=False))
             else:
                 t = empty_table(name)
             self._tables[name] = t
@@ -444,7 +446,13 @@ def _write_store(store: str, tables: dict[str, Table], meta: dict) -> str:
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
         for name, t in tables.items():
-            pq.write_table(t.to_arrow(), os.path.join(tmp, f"{name}.parquet"), compression="lz4")
+            at = t.to_arrow()
+            # Parquet dictionary-encodes only the string columns (dictionaries already): tried on
+            # every numeric column too, it doubled the write and made the file larger; and no column
+            # statistics, which no read uses (each reads whole columns). docs/scale.md
+            strings = [f.name for f in at.schema if pa.types.is_dictionary(f.type)]
+            pq.write_table(at, os.path.join(tmp, f"{name}.parquet"), compression="lz4", use_dictionary=strings,
+                           write_statistics=False)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1, default=str)
         if os.path.exists(store):
