@@ -8,6 +8,9 @@ straggler, placed at rank ``N - 3``. Then, each run in a fresh process (`aiprof 
 
 - ``ray``: the embedded local Ray (aiprof starts it) with each of --workers CPUs
 - ``local``: the in-process path (the baseline; skipped above --local-max ranks)
+- ``head`` (with --head): a Ray head started once before the runs (`ray start --head`, the last
+  --workers CPUs) and named with --cluster, as a user analysing one capture after another would
+  keep it: no run starts or stops Ray
 
 and prints wall time, the driver's peak RSS, the CPU the work took (Ray: summed over tasks;
 in-process: the driver's), all processes' CPU as reaped, and whether the straggler is named
@@ -24,10 +27,12 @@ Usage::
     python bench/scale.py --ranks 1024 --workers 4,8,16 --local-max 0    # scaling with workers
     python bench/scale.py --template ddp2 --ranks 1024 --local-max 0 --out $OUT   # ~30 MB ranks
     python bench/scale.py --ranks 1024 --workers 16,64 --compare ../base/src --warm   # before/after
+    python bench/scale.py --template ddp2 --ranks 1024 --workers 16 --local-max 0 --head   # Ray kept running
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -38,7 +43,9 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -127,18 +134,20 @@ COLD, STORES, RESULTS = "cold", "stores", "results"
 
 
 def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int, src: Path = ROOT / "src",
-        warm: str = COLD) -> dict:
+        warm: str = COLD, address: str | None = None) -> dict:
     """`aiprof analyze` (imported from ``src``) on the capture in a fresh process; its figures.
     ``warm``: COLD (no store from an earlier run, --no-cache), STORES (the stores the previous
-    run wrote, its results removed), RESULTS (both). What it writes is left for the next run."""
+    run wrote, its results removed), RESULTS (both). What it writes is left for the next run.
+    ``address``: a running Ray's (``--cluster``: no Ray started or stopped by the run)."""
     stats, report = d / f"stats-{engine}.txt", d / f"report-{engine}.txt"
     if warm == COLD:
         _rm_stores(d)
     elif warm == STORES:
         _rm_results(d)
     cmd = [sys.executable, "-c", "import sys; from aiprof.cli.main import main; sys.exit(main())", "analyze", str(d),
-           "--engine", engine, "--json", "--stats", str(stats)] + (["--no-cache"] if warm == COLD else [])
-    if workers and engine == "ray":
+           *(["--cluster", address] if address else ["--engine", engine]), "--json", "--stats", str(stats)]
+    cmd += ["--no-cache"] if warm == COLD else []
+    if workers and engine == "ray" and not address:
         cmd += ["--workers", str(workers)]
     env = dict(os.environ, AIPROF_PROGRESS="never", PYTHONPATH=os.pathsep.join(
         p for p in (str(src), os.environ.get("PYTHONPATH", "")) if p))
@@ -170,6 +179,29 @@ def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int,
             "report_sha": hashlib.sha256(json.dumps(rep, sort_keys=True).encode()).hexdigest()[:16]}
 
 
+# A local Ray head started once for the --head runs: what a user analysing one capture after
+# another would keep running (`ray start --head`), so that no run pays Ray's start and stop.
+HEAD_PORT = 6391
+RAY_CLI = "import sys; from ray.scripts.scripts import main; sys.exit(main())"
+
+
+@contextlib.contextmanager
+def ray_head(cpus: int) -> Iterator[str]:
+    """`ray start --head` with ``cpus`` CPUs (its workers import the aiprof of this checkout), its
+    address while the block runs, `ray stop` after (every Ray of this machine: a bench's own)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                                                        if p))
+    tmp = Path(tempfile.mkdtemp(prefix="rayhead-"))  # short: Ray's socket paths under it are length-limited
+    subprocess.run([sys.executable, "-c", RAY_CLI, "start", "--head", f"--num-cpus={cpus}", f"--port={HEAD_PORT}",
+                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"],
+                   env=env, check=True, capture_output=True, timeout=300)
+    try:
+        yield f"127.0.0.1:{HEAD_PORT}"
+    finally:
+        subprocess.run([sys.executable, "-c", RAY_CLI, "stop", "--force"], env=env, capture_output=True, timeout=300)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _use(phase: dict, workers: int) -> str:
     """How the phase used its workers: CPU in tasks, and time in tasks, as shares of the phase's
     wall time on every worker (the rest: workers idle, starting or between tasks)."""
@@ -191,6 +223,8 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="keep the built captures (reused by the next run)")
     ap.add_argument("--compare", metavar="SRC", help="also run the aiprof imported from SRC (a checkout's src/, "
                     "e.g. `git worktree add` of the baseline), alternating with this one, labelled 'base'")
+    ap.add_argument("--head", action="store_true", help="also this aiprof on a Ray head started once before the runs "
+                    "(ray start --head with the last --workers CPUs; --cluster): cold, then with the stores reused")
     ap.add_argument("--warm", action="store_true", help="after the cold runs, two more Ray runs of this aiprof: "
                     "'stores' reads the stores of its cold run (results removed), 'results' also every "
                     "per-rank result (a second analysis of the same capture)")
@@ -201,6 +235,17 @@ def main() -> int:
     print(f"template {args.template}; {cpus} CPUs; Ray workers: {args.workers or cpus}; load {os.getloadavg()[0]:.1f}",
           flush=True)
     results = []
+    with (ray_head(sweep[-1] or cpus) if args.head else contextlib.nullcontext()) as head:
+        _runs(args, work, cpus, sweep, results, head)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scale_results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def _runs(args: argparse.Namespace, work: Path, cpus: int, sweep: list, results: list, head: str | None) -> None:
+    """Every rank count's runs (main's plan), their figures appended to ``results`` and printed."""
     for n in (int(x) for x in args.ranks.split(",")):
         t0 = time.perf_counter()
         d, straggler = build(args.template, n, work)
@@ -208,34 +253,45 @@ def main() -> int:
         print(f"\nN={n}: built {d} ({size / 1e6:.0f} MB gz) in {time.perf_counter() - t0:.0f} s; "
               f"straggler rank {straggler}", flush=True)
         srcs = [("this", ROOT / "src")] + ([("base", Path(args.compare))] if args.compare else [])
-        plan = [("ray", w, name, src, COLD) for w in sweep for name, src in srcs]
+        # the head's runs after each cold pair of its worker count: in alternation with them
+        plan = [(e, w, name, src, COLD) for w in sweep
+                for e, name, src in [("ray", n_, s_) for n_, s_ in srcs]
+                + ([("head", "this", ROOT / "src")] if args.head and w == sweep[-1] else [])]
         plan += [("local", None, name, src, COLD) for name, src in srcs]
         if args.warm and sweep:
             plan += [("ray", sweep[-1], "this", ROOT / "src", STORES), ("ray", sweep[-1], "this", ROOT / "src", RESULTS)]
+        if args.head:
+            plan += [("head", sweep[-1], "this", ROOT / "src", STORES)]
         last = None
         for engine, workers, name, src, warm in plan:
             if engine == "local" and n > args.local_max:
                 print(f"  local   : skipped (N > --local-max {args.local_max})")
                 continue
             if warm != COLD and last != ("this", engine):  # the stores of this aiprof's own cold run
-                run(d, engine, straggler, workers, args.timeout, src)
+                run(d, engine, straggler, workers, args.timeout, src, COLD, head if engine == "head" else None)
             last = (name, engine)
-            r = run(d, engine, straggler, workers, args.timeout, src, warm)
+            r = run(d, engine, straggler, workers, args.timeout, src, warm, head if engine == "head" else None)
             r.update(ranks=n, template=args.template, gz_mb=round(size / 1e6), cpus=cpus, aiprof=name, warm=warm,
-                     ray_workers=(workers or cpus) if engine == "ray" else None)
+                     ray_workers=(workers or cpus) if engine in ("ray", "head") else None)
             results.append(r)
-            label = (f"{engine}/{workers or cpus}" if engine == "ray" else engine) + ("" if warm == COLD else f" {warm}")
+            label = (f"{engine}/{workers or cpus}" if engine in ("ray", "head") else engine) + \
+                ("" if warm == COLD else f" {warm}")
             label += f" {name}" if args.compare else ""
             if "error" in r:
                 print(f"  {label:14s}: FAILED {r['error']}", flush=True)
                 continue
             driver = "  ".join(f"{k[:-2]} {v:.2f}" for k, v in r["driver"].items())
-            # a baseline's report, or for a warm run its own cold run's: the same document
-            other = (lambda x: x["aiprof"] != name) if warm == COLD else (lambda x: x["aiprof"] == name and x["warm"] == COLD)
+            # a baseline's report, for a warm run its own cold run's, for a run on the head the same
+            # aiprof's on its embedded Ray: the same document
+            if engine == "head" and warm == COLD:
+                other, what = (lambda x: x["aiprof"] == name and x["engine"] == "ray"), "the embedded Ray's"
+            elif warm == COLD:
+                other, what = (lambda x: x["aiprof"] != name), "the other aiprof"
+            else:
+                other, what = (lambda x: x["aiprof"] == name and x["warm"] == COLD), "its cold run"
             same = [x["report_sha"] == r["report_sha"] for x in results[:-1]
                     if x.get("ranks") == n and "report_sha" in x and other(x)]
-            label_same = (f"  same report as {'the other aiprof' if warm == COLD else 'its cold run'}: {all(same)}"
-                          if same else "")
+            label_same = f"  same report as {what}: {all(same)}" if same else ""
             phases = "  ".join(f"{k} {v['wall_s']:.1f}/{v['cpu_s']:.0f}" + _use(v, workers or cpus)
                                for k, v in r["phases"].items())
             print(f"  {label:14s}: wall {r['wall_s']:8.1f} s  driver peak RSS {r['driver_peak_rss_mb']:7.0f} MB  "
@@ -245,11 +301,6 @@ def main() -> int:
         _rm_stores(d)
         if not args.keep:
             shutil.rmtree(d, ignore_errors=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "scale_results.json"), "w") as f:
-            json.dump(results, f, indent=1)
-    return 0 if all("error" not in r for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RAY = "ray==2.60.0"
 # Ray's and aiprof's needs that the GPU image lacks (its package list: device KINDS.md)
 WHEELS = ["jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
-          "msgspec==0.22.0", "isal==1.9.1"]
+          "msgspec==0.22.0", "isal==1.9.1",
+          "click==8.5.1"]  # `ray start` (bench/scale.py --head), in case the image lacks it
 # Parts of Ray that `import ray`, ray.init and remote tasks never load
 DROP = ("ray/jars/", "ray/rllib/", "ray/tune/", "ray/train/", "ray/serve/", "ray/data/", "ray/llm/",
         "ray/dashboard/client/")
