@@ -12,7 +12,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "aiprof"
 
 FLOORS: list[tuple[str, ...]] = [
-    ("__init__", "errors", "npx", "termtext"),  # ground: standard library and numpy only
+    ("__init__", "errors", "npx", "records", "termtext"),  # ground: standard library and numpy only
     ("hardware", "tools"),  # the device table, the external programs
     ("trace",),  # readers, tables, the store
     ("native",),  # the native sidecar (spawned by the agent, read by the CLI)

@@ -185,3 +185,84 @@ def test_ddp4_three_of_four_traces(ddp4_dir, tmp_path):
     rep = build_report(open_capture(str(tmp_path)))
     assert rep["cross_rank"]["missing_ranks"] == [3]
     assert [c["rank"] for c in _straggler(rep)] == [2]
+
+
+def _match_lists_one_shift_at_a_time(sig_a, step_a, end_a, seq_a, sig_b, step_b, end_b, seq_b) -> np.ndarray:
+    """match_lists as it was written before its shifts were compared at once (the reference)."""
+    na, nb = len(sig_a), len(sig_b)
+    out = np.full(na, -1, dtype=np.int64)
+    if not na or not nb:
+        return out
+    if (seq_a >= 0).all() and (seq_b >= 0).all():
+        pos = {int(s): j for j, s in enumerate(seq_b)}
+        return np.array([pos.get(int(s), -1) for s in seq_a], dtype=np.int64)
+    k = min(rk.ALIGN_MAX_SHIFT, max(na, nb) - 1)
+    need = max(1, int(np.ceil(rk.ALIGN_MIN_OVERLAP * min(na, nb))))
+    numbered = (step_a >= 0).any() and (step_b >= 0).any()
+    agreeing = []
+    for s in range(-k, k + 1):
+        i0, i1 = max(0, -s), min(na, nb - s)
+        if i1 - i0 < need:
+            continue
+        agree = sig_a[i0:i1] == sig_b[i0 + s:i1 + s]
+        if numbered:
+            agree &= step_a[i0:i1] == step_b[i0 + s:i1 + s]
+        agreeing.append((np.count_nonzero(agree) / (i1 - i0), s))
+    if not agreeing:
+        return out
+    best = max(c[0] for c in agreeing)
+    cands = []
+    for frac, s in agreeing:
+        if frac >= best - rk.ALIGN_AGREE_TOL:
+            i0, i1 = max(0, -s), min(na, nb - s)
+            r = (end_a[i0:i1] - end_b[i0 + s:i1 + s]).astype(np.float64)
+            cands.append((frac, float(np.median(np.abs(r - np.median(r)))), abs(float(np.median(r))), s))
+    low = min(c[1] for c in cands)
+    _, _, _, s = min((c for c in cands if c[1] <= low + rk.ALIGN_MAD_TOL_NS), key=lambda c: (c[2], abs(c[3])))
+    i0, i1 = max(0, -s), min(na, nb - s)
+    out[i0:i1] = np.arange(i0, i1) + s
+    return out
+
+
+def test_match_lists_pairs_as_one_shift_at_a_time(ddp, ddp4_dir, monkeypatch):
+    """The shifts compared at once (in blocks) pair the same collectives as one shift per numpy
+    call did: on the real ranks' lists of two jobs, with collectives dropped, added or renamed at
+    either end or inside, steps unnumbered, and with blocks of a few shifts."""
+    rng = np.random.default_rng(7)
+    lists = [rk.rank_collectives(rt) for cap in (ddp, open_capture(str(ddp4_dir))) for rt in cap.ranks]
+    assert all(len(c) >= 9 and not (c.seq >= 0).any() for c in lists)  # the shift search decides
+
+    def cut(c, keep: np.ndarray) -> tuple:
+        return c.sig[keep], c.step[keep], c.end[keep], np.full(int(keep.sum()), -1, np.int64)
+
+    cases = []
+    for a in lists:
+        for b in lists:
+            n_a, n_b = len(a), len(b)
+            cases.append((cut(a, np.ones(n_a, bool)), cut(b, np.ones(n_b, bool))))
+            for _ in range(4):  # dropped collectives, anywhere
+                ka, kb = rng.random(n_a) > rng.uniform(0, 0.3), rng.random(n_b) > rng.uniform(0, 0.3)
+                cases.append((cut(a, ka), cut(b, kb)))
+            lo, hi = rng.integers(0, max(2, min(n_a, n_b) // 4), 2)  # the first or last few missing
+            sa = cut(a, (np.arange(n_a) >= lo))
+            sb = cut(b, (np.arange(n_b) < n_b - hi))
+            cases.append((sa, sb))
+            renamed = sb[0].copy()  # a renamed one (another size), steps unnumbered
+            renamed[rng.integers(0, len(renamed))] = "AllReduce:1"  # (a quarter at most cut: not empty)
+            cases.append((sa, (renamed, np.full(len(renamed), -1), sb[2], sb[3])))
+    for small_blocks in (False, True):
+        if small_blocks:
+            monkeypatch.setattr(rk, "MATCH_BLOCK_CELLS", 200)  # a few shifts per block
+        for (sa, sb) in cases:
+            got = rk.match_lists(*sa, *sb)
+            want = _match_lists_one_shift_at_a_time(*sa, *sb)
+            assert np.array_equal(got, want)
+    assert len(cases) > 100
+
+
+def test_median_is_numpys():
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 4, 51, 52):
+        for x in (rng.normal(size=n) * 1e9, np.round(rng.normal(size=n) * 1e3), np.full(n, 2.5)):
+            assert rk._median(x) == float(np.median(x))
+    assert np.isnan(rk._median(np.array([1.0, np.nan, 3.0])))

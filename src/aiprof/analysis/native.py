@@ -15,11 +15,12 @@ Definitions (docs/metrics.md, "Native"):
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from aiprof.analysis.launch import launch_rows
+from aiprof.records import as_dict
 from aiprof.trace.store import RankTrace
 
 NCCL_COLLECTIVES = {"ncclAllReduce": "allreduce", "ncclBroadcast": "broadcast", "ncclReduce": "reduce",
@@ -331,4 +332,4 @@ def native_dict(rt: RankTrace, lo: int | None = None, hi: int | None = None) -> 
     """JSON-ready :class:`NativeAnalysis`, or None when the rank has no native data."""
     if not len(rt.table("calls")) and not len(rt.table("syscalls")) and not (rt.meta.get("capture") or {}).get("native"):
         return None
-    return asdict(native_analysis(rt, lo, hi))
+    return as_dict(native_analysis(rt, lo, hi))

@@ -20,7 +20,7 @@ The ranks of one capture are compared with each other:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from aiprof.analysis.diff import diff_captures
 from aiprof.analysis.intervals import union
 from aiprof.analysis.launch import launch_ts
 from aiprof.analysis.steps import find_steps
+from aiprof.records import as_dict
 from aiprof.trace import classify
 from aiprof.trace.store import Capture, RankTrace
 
@@ -39,6 +40,7 @@ ALIGN_MAX_SHIFT = 64  # largest shift (in collectives) searched between two rank
 ALIGN_MIN_OVERLAP = 0.5  # a shift must pair at least this share of the shorter list
 ALIGN_AGREE_TOL = 0.05  # shifts within this share of the best type/size/step agreement compete on time
 ALIGN_MAD_TOL_NS = 50_000  # shifts whose end-time spread is within 50 µs of the best tie on |offset|
+MATCH_BLOCK_CELLS = 1 << 20  # (collective, shift) pairs compared at once: ~30 MB of index arrays
 # --- stragglers: a rank whose late arrivals alone make the others wait
 STRAGGLER_MIN_WAIT_US = 200.0  # caused wait per step, at least this...
 STRAGGLER_MIN_WAIT_SHARE = 0.02  # ...and this share of the median step time
@@ -152,8 +154,19 @@ def _host_backend_collectives(rt: RankTrace):
 
 
 # ----------------------------------------------------------------------------------- matching
+def _median(x: np.ndarray) -> float:
+    """``np.median`` of a non-empty 1-D float array, the same float: the middle value, or the two
+    middle ones' mean. One sort: np.median's general path costs ~20 µs a call, and the matching
+    takes three per candidate shift of each of a job's 1,023 pairs of ranks."""
+    s = np.sort(x)
+    if np.isnan(s[-1]):  # NaN sorts last; np.median says NaN
+        return float(np.median(x))
+    h = len(s) // 2
+    return float(s[h]) if len(s) % 2 else float((s[h - 1] + s[h]) / 2)
+
+
 def _mad(x: np.ndarray) -> float:
-    return float(np.median(np.abs(x - np.median(x)))) if len(x) else 0.0
+    return _median(np.abs(x - _median(x))) if len(x) else 0.0
 
 
 def match_lists(sig_a: np.ndarray, step_a: np.ndarray, end_a: np.ndarray, seq_a: np.ndarray,
@@ -178,15 +191,26 @@ def match_lists(sig_a: np.ndarray, step_a: np.ndarray, end_a: np.ndarray, seq_a:
     k = min(ALIGN_MAX_SHIFT, max(na, nb) - 1)
     need = max(1, int(np.ceil(ALIGN_MIN_OVERLAP * min(na, nb))))
     numbered = (step_a >= 0).any() and (step_b >= 0).any()
-    agreeing = []
-    for s in range(-k, k + 1):
-        i0, i1 = max(0, -s), min(na, nb - s)
-        if i1 - i0 < need:
-            continue
-        agree = sig_a[i0:i1] == sig_b[i0 + s:i1 + s]
+    # every shift's agreement at once (one shift per column), not one shift per numpy call: a
+    # 1,024-rank job matches 1,023 pairs of lists in the driver (2 x 51 shifts each for ddp2's 52
+    # collectives); signatures as integer codes, the same for both lists
+    codes: dict = {}
+    ca = np.array([codes.setdefault(x, len(codes)) for x in sig_a.tolist()], dtype=np.int64)
+    cb = np.array([codes.setdefault(x, len(codes)) for x in sig_b.tolist()], dtype=np.int64)
+    shifts = np.arange(-k, k + 1)
+    counts, overlap = np.zeros(len(shifts), np.int64), np.zeros(len(shifts), np.int64)
+    per_block = max(1, MATCH_BLOCK_CELLS // na)  # a long list's matrices stay bounded
+    for b0 in range(0, len(shifts), per_block):
+        block = shifts[b0:b0 + per_block]
+        j = np.arange(na)[:, None] + block[None, :]  # the index in B paired with A's i by each shift
+        inside = (j >= 0) & (j < nb)
+        jc = np.clip(j, 0, nb - 1)
+        agree = (ca[:, None] == cb[jc]) & inside
         if numbered:
-            agree &= step_a[i0:i1] == step_b[i0 + s:i1 + s]
-        agreeing.append((np.count_nonzero(agree) / (i1 - i0), s))  # the mean, without its overhead
+            agree &= step_a[:, None] == step_b[jc]
+        overlap[b0:b0 + per_block] = np.count_nonzero(inside, axis=0)
+        counts[b0:b0 + per_block] = np.count_nonzero(agree, axis=0)
+    agreeing = [(int(c) / int(n), int(s)) for c, n, s in zip(counts, overlap, shifts) if n >= need]
     if not agreeing:
         return out
     best = max(c[0] for c in agreeing)
@@ -197,7 +221,7 @@ def match_lists(sig_a: np.ndarray, step_a: np.ndarray, end_a: np.ndarray, seq_a:
         if frac >= best - ALIGN_AGREE_TOL:
             i0, i1 = max(0, -s), min(na, nb - s)
             r = (end_a[i0:i1] - end_b[i0 + s:i1 + s]).astype(np.float64)
-            cands.append((frac, _mad(r), abs(float(np.median(r))), s))
+            cands.append((frac, _mad(r), abs(_median(r)), s))
     low = min(c[1] for c in cands)
     _, _, _, s = min((c for c in cands if c[1] <= low + ALIGN_MAD_TOL_NS), key=lambda c: (c[2], abs(c[3])))
     i0, i1 = max(0, -s), min(na, nb - s)
@@ -330,7 +354,7 @@ def align_and_arrivals(colls: list[RankCollectives], columns: dict | None = None
                 if not ok.any():
                     continue
                 d = (a.end[ia][ok] - by_rank[r].end[ib[ok]]).astype(np.float64)
-                offset[r] = offset[ref] + (float(np.median(d)) if use_ends else 0.0)
+                offset[r] = offset[ref] + (_median(d) if use_ends else 0.0)
                 spread[r] = _mad(d) if use_ends else 0.0
                 matched[r] = int(ok.sum())
                 changed = True
@@ -672,8 +696,8 @@ def cross_rank_of(ranks: list[int], hosts: dict, world: int, colls: list[RankCol
     return CrossRank(ranks=ranks, hosts={str(k): v for k, v in hosts.items()}, world_size=world, missing_ranks=missing,
                      collective_source={str(c.rank): c.side for c in colls},
                      alignment={k: ({str(r): v for r, v in val.items()} if isinstance(val, dict) else val)
-                                for k, val in asdict(al).items()},
+                                for k, val in as_dict(al).items()},
                      arrivals={k: ({str(r): v for r, v in val.items()} if isinstance(val, dict) else val)
-                               for k, val in asdict(arr).items()},
+                               for k, val in as_dict(arr).items()},
                      classes=classes, matrix=matrix, abnormal=abnormal, stragglers=stragglers,
                      flags={str(k): sorted(v) for k, v in flags.items()})

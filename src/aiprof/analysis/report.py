@@ -7,7 +7,7 @@ documented in docs/report.md.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from aiprof.analysis.runtime import RuntimeAnalysis, runtime_analysis
 from aiprof.analysis.serving import ServingAnalysis, serving_analysis
 from aiprof.analysis.steps import Steps, find_steps, window
 from aiprof.analysis.timeseries import gpu_activity, memop_distribution
+from aiprof.records import as_dict
 from aiprof.trace.store import RankTrace
 
 SCHEMA = "aiprof.report/2"
@@ -185,9 +186,9 @@ def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15,
         window={"start_ns": lo, "end_ns": hi, "duration_us": (hi - lo) / 1000.0},
         steps=breakdown, summary=summarize(breakdown), top_kernels=[],
         rows=rt.meta.get("rows", {}), options=rt.meta.get("options", {}),
-        hotspots=asdict(hs), communication=asdict(ca), memory=asdict(ma),
+        hotspots=as_dict(hs), communication=as_dict(ca), memory=as_dict(ma),
         activity=gpu_activity(rt), memops=memop_distribution(rt),
-        step_within=steps.within, serving=asdict(sv) if sv else None,
+        step_within=steps.within, serving=as_dict(sv) if sv else None,
     )
     if tables:
         precision = max(ka.precision_us, key=ka.precision_us.get) if ka.precision_us else "bf16"
@@ -197,14 +198,14 @@ def rank_section(rt: RankTrace, entry: str | None = None, top: int = 15,
         sd = diff_steps(rt, steps=steps, top=top) if len(steps) >= 2 else None
         stats = kernel_stats(rt)
         rep.top_kernels = stats[:top]
-        rep.kernels, rep.runtime = asdict(ka), asdict(ra)
-        rep.flops = asdict(flops_analysis(rt, steps, precision, gpu))
-        rep.step_diff = asdict(sd) if sd else None
+        rep.kernels, rep.runtime = as_dict(ka), as_dict(ra)
+        rep.flops = as_dict(flops_analysis(rt, steps, precision, gpu))
+        rep.step_diff = as_dict(sd) if sd else None
         rep.kernels_other = {**top_with_other(stats, top, "total_us")["other"], "distinct": len(stats)}
         rep.kernels_by_calls = _by_calls(top_with_other(stats, top, "calls"))
-        rep.counters = asdict(hwc) if hwc else None
+        rep.counters = as_dict(hwc) if hwc else None
         rep.native = native_dict(rt, *((int(steps.start.min()), int(steps.end.max())) if len(steps) else (None, None)))
-        rep.roofline = asdict(roofline(rt)) if gpu else None
+        rep.roofline = as_dict(roofline(rt)) if gpu else None
     return rep, RankAnalyses(steps, breakdown, tree, gaps, ra, ka, ca, gpu, classes, sv, hwc)
 
 

@@ -6,8 +6,6 @@ symptoms they explain. Across ranks: the straggler's cause explains the others' 
 """
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import numpy as np
 
 from aiprof.analysis.breakdown import StepBreakdown
@@ -36,6 +34,7 @@ from aiprof.diagnosis.model import (
 from aiprof.diagnosis.profiler_cost import DEFAULT, ProfilerCost
 from aiprof.diagnosis.replay import Edit, ReplayResult, Trace, combine, gpu_floor_ns, replay
 from aiprof.diagnosis.symptoms import completion_us, rank_symptoms, slow_step_mask
+from aiprof.records import as_dict
 from aiprof.trace.store import RankTrace
 
 NS_PER_US = 1000.0
@@ -402,9 +401,8 @@ def _link(causes: list[Cause], symptoms: list[Symptom]) -> None:
 
 
 def cause_dict(c: Cause) -> dict:
-    """A cause as the report's JSON (edit and region are internal)."""
-    d = {k: v for k, v in asdict(c).items() if k not in ("edit", "region")}
-    return d
+    """A cause as the report's JSON (edit and region are internal: not converted at all)."""
+    return as_dict(c, exclude=("edit", "region"))
 
 
 def baseline_entry(f: RankFacts, coupled: bool, pricer: Pricer | None = None) -> dict:
@@ -466,7 +464,7 @@ def assemble(causes: list[Cause], symptoms: list[Symptom], baseline: list[dict])
         d["symptoms"] = c.__dict__.get("_symptoms", [])
         out_causes.append(d)
     replayed = {b["rank"]: b.get("critical_path") or {} for b in baseline}
-    out_symptoms = [asdict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE
+    out_symptoms = [as_dict(s) | {"orphan": s.unexplained_us / max(s.us, 1e-9) * s.share >= ORPHAN_MIN_SHARE
                                  and _replay_confirms(s, replayed.get(s.rank))}
                     for s in symptoms]
     return {"causes": out_causes,

@@ -1,7 +1,7 @@
 """The stages of the report (aiprof.pipeline's docstring says which, and who calls them)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from aiprof import __version__
 from aiprof.analysis.ranks import cross_rank
@@ -13,6 +13,7 @@ from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import RankCollectives
 from aiprof.diagnosis.job import attach_collectives
 from aiprof.diagnosis.model import EXPOSED_COMM, Cause, Claim, Symptom
+from aiprof.records import as_dict
 from aiprof.trace.store import Capture, RankTrace
 
 
@@ -152,6 +153,6 @@ def build_report(cap: Capture, entry: str | None = None, top: int = 15, detail: 
     facts = [p[1] for p in pairs]
     columns: dict = {}
     cr = cross_rank(cap, ranks, columns=columns) if len(ranks) >= 2 else None
-    cross = asdict(cr) if cr is not None else None
-    return assemble(cap.world_size, [asdict(r) for r in ranks], [r.source for r in cap.ranks], cross,
+    cross = as_dict(cr) if cr is not None else None
+    return assemble(cap.world_size, [as_dict(r) for r in ranks], [r.source for r in cap.ranks], cross,
                     diagnose(facts, cross, columns), detail)

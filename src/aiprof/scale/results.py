@@ -102,10 +102,20 @@ def code_version() -> str:
     return h.hexdigest()
 
 
-def key(phase: str, args: object, sources: Sequence[str]) -> str:
+def key(phase: str, args: object, sources: Sequence[str], seen: dict[str, dict] | None = None) -> str:
     """The key of a task's result: its phase, ``args`` (what names the result, not the run) and
-    the fingerprints of the ``sources`` (trace files) it reads, under this code."""
-    doc = [code_version(), phase, [fingerprint(s) for s in sources], args]
+    the fingerprints of the ``sources`` (trace files) it reads, under this code. ``seen``: the
+    fingerprints already taken in this run, by path (a partner's trace is read by every rank's
+    task: ten stats a fingerprint, once a run, not once a task)."""
+    if seen is None:
+        seen = {}
+    fps = []
+    for s in sources:
+        fp = seen.get(s)
+        if fp is None:
+            fp = seen[s] = fingerprint(s)
+        fps.append(fp)
+    doc = [code_version(), phase, fps, args]
     return hashlib.sha256(_ENCODER.encode(doc)).hexdigest()
 
 
@@ -175,11 +185,12 @@ class Call(typing.NamedTuple):
 
 def run_phase(engine, phase: str, fn: Callable, calls: Sequence[Call], reuse: bool, keep: bool,
               progress: Callable[[str, int, int], None] | None = None, nodes: Sequence[str] | None = None,
-              placed: dict[int, str] | None = None) -> Iterator[tuple[int, object]]:
+              placed: dict[int, str] | None = None,
+              seen: dict[str, dict] | None = None) -> Iterator[tuple[int, object]]:
     """Yield (index, result) for every call: the kept result where it is current (``reuse``),
     else the engine's, which is kept (``keep``). The engine sees only the calls without one.
     ``nodes``: where each call should run (engine.map); ``placed`` is filled with the node each
-    computed result came from (by call index)."""
+    computed result came from (by call index); ``seen``: the run's fingerprints (:func:`key`)."""
     if not (reuse or keep):
         yield from engine.map(phase, fn, [c.args for c in calls], progress, nodes)
         if placed is not None:
@@ -191,7 +202,7 @@ def run_phase(engine, phase: str, fn: Callable, calls: Sequence[Call], reuse: bo
     hits: list[tuple[int, object]] = []
     for i, c in enumerate(calls):  # every key before any result is handed out (the caller may edit them)
         try:
-            k = key(phase, c.key_args, c.sources)
+            k = key(phase, c.key_args, c.sources, seen)
         except OSError:  # a trace gone meanwhile: the task itself says so, in the usual one line
             todo.append(i)
             todo_calls.append((fn, None, "", c.args))

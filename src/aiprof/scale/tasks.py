@@ -11,7 +11,7 @@ every rank needs every rank's graph in one process; see docs/scale.md and job_re
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from aiprof.diagnosis.facts import RankFacts
 from aiprof.diagnosis.graph import RankCollectives as Coupling
 from aiprof.diagnosis.job import comm_ends, settle
 from aiprof.diagnosis.model import Cause, Symptom
+from aiprof.records import as_dict
 from aiprof.trace.store import RankTrace, ingest
 
 
@@ -64,7 +65,7 @@ class Analysed:
     """A rank's report section and its priced causes and symptoms."""
 
     rank: int
-    report: dict  # the report's "ranks" entry (asdict of analysis.report.RankReport)
+    report: dict  # the report's "ranks" entry (as_dict of analysis.report.RankReport)
     causes: list[Cause]  # priced, in detector order; edits dropped
     symptoms: list[Symptom]
     baseline: dict  # the report's "baseline" row
@@ -182,7 +183,7 @@ def analyse_rank(inp: RankInput, partner: RankInput | None, entry: str | None, t
         columns = ({"collectives": {f.rank: rank_collectives(rt)}, "rank_index": {f.rank: inp.rank_index}}
                    if inp.rank_index is not None else {})
         job = pipeline.job_stage(JobFacts(pair, pricer, columns, n_ranks or len(pair)), asked=asked)
-    return Analysed(rank=rt.rank, report=asdict(rep), causes=_strip(s.causes), symptoms=s.symptoms,
+    return Analysed(rank=rt.rank, report=as_dict(rep), causes=_strip(s.causes), symptoms=s.symptoms,
                     baseline=s.baseline, conditions=s.conditions, job_causes=_strip(job))
 
 
@@ -205,4 +206,4 @@ def straggler_rank(ev: dict, slow: RankInput, partner: RankInput | None, base: R
 def rank_tables(inp: RankInput, entry: str | None, top: int) -> dict:
     """A rank's report section with its tables (the report's ``ranks`` entry): for the ranks a
     report of many ranks keeps whole, once its diagnosis has named them (pipeline.detail_ranks)."""
-    return asdict(rank_section(open_rank(inp), entry, top)[0])
+    return as_dict(rank_section(open_rank(inp), entry, top)[0])
