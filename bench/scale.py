@@ -172,6 +172,11 @@ def run(d: Path, engine: str, straggler: int, workers: int | None, timeout: int,
             "driver_cpu_s": st["driver_cpu_s"],
             "all_cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
             "phases": st.get("phases", {}), "driver": st.get("driver", {}), "stragglers_named": named,
+            # the rest of the wall: the process's start, imports and exit (outside aiprof's own clock),
+            # and what its clock saw that no phase or driver step did
+            "outside_s": round(wall - st["wall_s"], 2),
+            "unaccounted_s": round(st["wall_s"] - sum(v["wall_s"] for v in st.get("phases", {}).values())
+                                   - sum(st.get("driver", {}).values()), 2),
             "top_cause": f"{top.get('code')}@{top.get('rank')} {100 * top.get('saving', {}).get('share', 0):.1f}%",
             "straggler_named": named == [straggler] and top.get("rank") == straggler,
             "report_mb": round(report.stat().st_size / 1e6, 1),
@@ -281,6 +286,7 @@ def _runs(args: argparse.Namespace, work: Path, cpus: int, sweep: list, results:
                 print(f"  {label:14s}: FAILED {r['error']}", flush=True)
                 continue
             driver = "  ".join(f"{k[:-2]} {v:.2f}" for k, v in r["driver"].items())
+            driver += f"  | start+imports+exit {r['outside_s']:.2f}  other {r['unaccounted_s']:.2f}"
             # a baseline's report, for a warm run its own cold run's, for a run on the head the same
             # aiprof's on its embedded Ray: the same document
             if engine == "head" and warm == COLD:
