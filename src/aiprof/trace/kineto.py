@@ -35,7 +35,18 @@ from aiprof.trace.table import Table
 
 __all__ = ["CHUNK_BYTES", "DECODE_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_header", "read_trace"]
 
-CHUNK_BYTES = 8 << 20
+# JSON read (and inflated) per step of the serial reader. The text is decoded right after, in
+# DECODE_BYTES batches: 1 MiB of it is still in the core's cache when msgspec reads it; 8 MiB was
+# not (a 29 MB ddp2 rank read and stored: 0.220 CPU-s with 8 MiB, 0.201 with 1 MiB, 0.206 with
+# 512 KiB, medians of 7 rounds on the 2-core machine), and a host full of ingest tasks shares its
+# memory bandwidth (docs/scale.md, "Why a task costs more CPU when the host is full").
+CHUNK_BYTES = 1 << 20
+# The parallel reader's blocks, one per worker process's task: larger, so that its fixed cost
+# per block (a pipe write, a merge) stays small against the block's decoding.
+PARALLEL_BLOCK_BYTES = 8 << 20
+# A text that holds no complete event once this much of it is buffered is not a trace this
+# reader accepts (an event this large, or broken JSON): at most this much is held for one event.
+MAX_EVENT_BYTES = 64 << 20
 # JSON decoded and built per batch. Its Python objects (~2x the JSON, more with the args) should
 # stay in a core's L2 cache (1 MB on the EPYC that measured it) while the builder walks them
 # column by column: on the 105 MB benchmark trace, 8 MB batches took 1.6x the CPU time of
@@ -278,7 +289,7 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
     buf = buf[pos:]
     at = _At(path, pos, r.lim)
     if workers > 1 and r.total >= PARALLEL_MIN_BYTES and buf.startswith(_KINETO_FIRST):
-        done = _parse_parallel(r, b, buf, chunk_bytes, workers)
+        done = _parse_parallel(r, b, buf, max(chunk_bytes, PARALLEL_BLOCK_BYTES), workers)
         if done is not None:
             buf, used, consumed = done
             at.offset += consumed
@@ -296,7 +307,7 @@ def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:
         if consumed is None:  # no cut decoded: take more input, or give up
             if r.eof:
                 break
-            if len(buf) > 8 * chunk_bytes:
+            if len(buf) > max(8 * chunk_bytes, MAX_EVENT_BYTES):
                 raise _syntax_error(buf, at)
             buf += r.read(chunk_bytes)
             continue
