@@ -136,11 +136,12 @@ def run(args: argparse.Namespace) -> int:
             raise AiprofError(f"--html needs the 'ui' extra ({exc.name} is missing): pip install 'aiprof[ui]'") from None
     files = find_trace_files(args.paths, args.capture)
     kind = engines.choose(args.engine, len(files), args.cluster)
-    if kind == "ray" and not engines.ray_available():
+    t = time.perf_counter()
+    if kind == "ray" and not engines.ray_available():  # imports Ray (a second or so on a slow disk)
         kind = engines.without_ray(len(files), args.cluster)
+    driver: dict[str, float] = {"import_ray_s": time.perf_counter() - t}  # the driver's own steps' wall s (--stats)
     pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
     eng = None
-    driver: dict[str, float] = {}  # the driver's own steps' wall seconds (--stats)
     if kind == "local":
         if pfile:
             pfile("ingest", 0, len(files))
