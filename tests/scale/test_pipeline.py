@@ -158,3 +158,27 @@ def test_unreachable_cluster_is_one_line_at_once():
         port = s.getsockname()[1]
     with pytest.raises(AiprofError, match=f"cannot reach the Ray cluster at 127.0.0.1:{port}"):
         engines.RayEngine(f"127.0.0.1:{port}")
+
+
+def test_driver_steps_leave_garbage_collection_as_they_found_it():
+    """The driver's steps pause automatic collection (job_report._gc_paused) and give it back as
+    it was: on, off (a caller that had turned it off), and after an error inside."""
+    import gc
+
+    from aiprof.scale.job_report import _gc_paused
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _gc_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        with pytest.raises(ValueError), _gc_paused():
+            raise ValueError("a step failed")
+        assert gc.isenabled()
+        gc.disable()
+        with _gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
