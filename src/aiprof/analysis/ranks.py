@@ -210,7 +210,7 @@ def match_lists(sig_a: np.ndarray, step_a: np.ndarray, end_a: np.ndarray, seq_a:
             agree &= step_a[:, None] == step_b[jc]
         overlap[b0:b0 + per_block] = np.count_nonzero(inside, axis=0)
         counts[b0:b0 + per_block] = np.count_nonzero(agree, axis=0)
-    agreeing = [(int(c) / int(n), int(s)) for c, n, s in zip(counts, overlap, shifts) if n >= need]
+    agreeing = [(c / n, s) for c, n, s in zip(counts.tolist(), overlap.tolist(), shifts.tolist()) if n >= need]
     if not agreeing:
         return out
     best = max(c[0] for c in agreeing)
