@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     files = find_trace_files(args.paths, args.capture)
     kind = engines.choose(args.engine, len(files), args.cluster)
     t = time.perf_counter()
-    if kind == "ray" and not engines.ray_available():  # imports Ray (a second or so on a slow disk)
+    if kind == "ray" and not engines.ray_available():  # imports Ray: 0.35-0.8 s where measured (docs/scale.md)
         kind = engines.without_ray(len(files), args.cluster)
     driver: dict[str, float] = {"import_ray_s": time.perf_counter() - t}  # the driver's own steps' wall s (--stats)
     pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
