@@ -58,20 +58,31 @@ def export_src(ref: str, into: Path) -> Path:
     return into / "src"
 
 
-def run(src: Path, capture: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN, str(src), str(capture)], check=True, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+def run_script(script: str, src: Path, *args: str) -> dict:
+    """``script`` in a fresh process that imports the aiprof under ``src`` (its argv[1]; ``args``
+    follow): the JSON object its last line prints."""
+    out = subprocess.run([sys.executable, "-c", script, str(src), *args], check=True, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "AIPROF_PROGRESS": "never"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run(src: Path, capture: Path) -> dict:
+    return run_script(RUN, src, str(capture))
+
+
+def ab_arguments(description: str, ranks: int) -> argparse.ArgumentParser:
+    """The options of an A/B bench over a built capture (this one's and bench/driver_ab.py's)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--ref", default="HEAD", help="the git revision compared with the working tree")
     ap.add_argument("--template", default="ddp2", choices=("ddp2", "ddp4"))
-    ap.add_argument("--ranks", type=int, default=20)
+    ap.add_argument("--ranks", type=int, default=ranks)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", help="where the capture is built (default: a temporary folder)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = ab_arguments(__doc__.split("\n")[0], 20).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
         capture, straggler = _bench_scale().build(args.template, args.ranks, work / "capture")

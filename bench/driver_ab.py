@@ -15,15 +15,14 @@ same (canonical JSON hashed). Usage::
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import analyse_ab  # noqa: E402 - the A/B plumbing: the capture, the baseline's src/, a fresh process
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE_KEY = "bench/driver_ab"  # the results' code key both trees use (scale.results.code_version)
@@ -58,31 +57,16 @@ print(json.dumps({"sha": hashlib.sha256(json.dumps(rep, sort_keys=True).encode()
 """ % CODE_KEY
 
 
-def _bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = sys.modules[f"bench_{name}"] = importlib.util.module_from_spec(spec)  # pools pickle by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def run(src: Path, capture: Path, mode: str = "run") -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN, str(src), str(capture), mode], check=True, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "AIPROF_PROGRESS": "never"})
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return analyse_ab.run_script(RUN, src, str(capture), mode)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref", default="HEAD", help="the git revision compared with the working tree")
-    ap.add_argument("--template", default="ddp2", choices=("ddp2", "ddp4"))
-    ap.add_argument("--ranks", type=int, default=1024)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--work", help="where the capture is built and kept (default: a temporary folder)")
-    args = ap.parse_args()
+    args = analyse_ab.ab_arguments(__doc__.split("\n")[0], 1024).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
-        capture, straggler = _bench("scale").build(args.template, args.ranks, work)
-        sides = {"ref": _bench("analyse_ab").export_src(args.ref, Path(tmp) / "ref"), "this": ROOT / "src"}
+        capture, straggler = analyse_ab._bench_scale().build(args.template, args.ranks, work)
+        sides = {"ref": analyse_ab.export_src(args.ref, Path(tmp) / "ref"), "this": ROOT / "src"}
         filled = run(sides["this"], capture, "fill")  # every result, once: every run below reads them
         print(f"results: {filled['tasks_run']} tasks run", flush=True)
         got: dict[str, list[dict]] = {k: [] for k in sides}

@@ -1,10 +1,10 @@
 """Dataclass records as plain dicts, for the report.
 
 ``dataclasses.asdict`` deep-copies every leaf it reaches (``copy.deepcopy`` on each string and
-number, ~1 µs apiece): a 1,024-rank report's causes, symptoms and cross-rank comparison hold
-some 300 k of them, and the driver spent about a second copying objects that copying returns
-unchanged. :func:`as_dict` builds the same dict (the same fresh lists, tuples and dicts, the same
-deep copies of anything mutable) and hands the immutable leaves over as they are.
+number): the report of 1,024 ddp4 ranks made 292 k such calls, and its conversions took 1.2 s of
+the driver's 2.8 s under cProfile, copying objects that copying returns unchanged.
+:func:`as_dict` builds the same dict (the same fresh lists, tuples and dicts, the same deep
+copies of anything mutable) and hands the immutable leaves over as they are.
 """
 from __future__ import annotations
 

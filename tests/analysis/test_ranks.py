@@ -188,14 +188,12 @@ def test_ddp4_three_of_four_traces(ddp4_dir, tmp_path):
 
 
 def _match_lists_one_shift_at_a_time(sig_a, step_a, end_a, seq_a, sig_b, step_b, end_b, seq_b) -> np.ndarray:
-    """match_lists as it was written before its shifts were compared at once (the reference)."""
+    """match_lists' shift search as it was written before its shifts were compared at once (the
+    reference; the lists below carry no sequence numbers, which would decide instead)."""
     na, nb = len(sig_a), len(sig_b)
     out = np.full(na, -1, dtype=np.int64)
     if not na or not nb:
         return out
-    if (seq_a >= 0).all() and (seq_b >= 0).all():
-        pos = {int(s): j for j, s in enumerate(seq_b)}
-        return np.array([pos.get(int(s), -1) for s in seq_a], dtype=np.int64)
     k = min(rk.ALIGN_MAX_SHIFT, max(na, nb) - 1)
     need = max(1, int(np.ceil(rk.ALIGN_MIN_OVERLAP * min(na, nb))))
     numbered = (step_a >= 0).any() and (step_b >= 0).any()
