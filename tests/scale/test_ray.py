@@ -131,3 +131,36 @@ def test_cli_reads_kept_results_without_starting_ray(tmp_path):
         {"ingest": (0, 4), "analyse": (0, 4), "stragglers": (0, 1)}
     assert st2["worker_cpu_s"] == 0
     assert out2 == out1
+
+
+STOP_SCRIPT = """\
+import json, os, sys
+import psutil
+from aiprof.scale import engines
+
+me = psutil.Process()
+eng = engines.RayEngine(cpus=1)
+assert eng.cpus == 1  # starts the local Ray
+started = me.children()
+# the autoscaler monitor (ray/autoscaler/_private/monitor.py), not log_monitor.py
+monitor = [p for p in started if any(os.path.basename(a) == "monitor.py" for a in p.cmdline())]
+engines._kill_monitor()
+killed = [not p.is_running() for p in monitor]
+others_up = all(p.is_running() for p in started if p not in monitor)
+eng.close()
+left = [" ".join(p.cmdline()[:2]) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+print(json.dumps({"monitor": len(monitor), "killed": killed, "others_up": others_up, "left": left}))
+"""
+
+
+def test_close_kills_the_monitor_first_and_leaves_no_ray_process(tmp_path):
+    """The embedded Ray's autoscaler monitor is killed before ray.shutdown() (which would wait a
+    second for it: engines._kill_monitor), the rest of Ray still up; after close() nothing Ray
+    started from this process is left. In a process of its own: one Ray per process."""
+    need("psutil")
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got == {"monitor": 1, "killed": [True], "others_up": True, "left": []}
