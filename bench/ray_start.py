@@ -1,8 +1,12 @@
-"""The embedded Ray's start: the workers' environment given as a runtime_env (what
-engines.RayEngine did) against set in the environment the raylet inherits (what it does now).
+"""The embedded Ray's start and stop, three ways:
 
-Per round and way: ray.init, then 8 one-CPU tasks that import aiprof's task module (the first
-ingest tasks), then ray.shutdown; wall seconds of each. Rounds alternate.
+- ``runtime_env``: the workers' environment given as a runtime_env (what engines.RayEngine did)
+- ``environ``: set in the environment the raylet inherits, stopped with ray.shutdown()
+- ``engine``: engines.RayEngine itself: started as ``environ``, stopped by its close(), which
+  kills Ray's autoscaler monitor before ray.shutdown() (engines._kill_monitor)
+
+Per round and way: the start, then 8 one-CPU tasks that import aiprof's task module (the first
+ingest tasks), then the stop; wall seconds of each. Rounds alternate.
 
     python bench/ray_start.py --rounds 3 [--cpus 2]
 """
@@ -20,12 +24,21 @@ CHILD = r"""
 import json, logging, os, sys, time
 import ray
 way, cpus = sys.argv[1], int(sys.argv[2])
-env = {"PYTHONPATH": os.environ["AIPROF_SRC"], "AIPROF_INGEST_WORKERS": "1"}
+if way == "engine":
+    sys.path.insert(0, os.environ["AIPROF_SRC"])
+    from aiprof.scale import engines
+# as engines.RayEngine does: aiprof's src, then what this process's PYTHONPATH holds (where Ray is
+# installed there: the lent machines)
+path = os.pathsep.join(p for p in (os.environ["AIPROF_SRC"], os.environ.get("PYTHONPATH", "")) if p)
+env = {"PYTHONPATH": path, "AIPROF_INGEST_WORKERS": "1"}
 kw = dict(address="local", num_cpus=cpus, include_dashboard=False, object_store_memory=512 << 20,
           logging_level=logging.ERROR, log_to_driver=False)
 t0 = time.perf_counter()
 if way == "runtime_env":
     ray.init(runtime_env={"env_vars": env}, **kw)
+elif way == "engine":
+    eng = engines.RayEngine(cpus=cpus)
+    assert eng.cpus == cpus  # starts it
 else:
     os.environ.update(env)
     ray.init(**kw)
@@ -38,14 +51,17 @@ def first(i):
 
 ray.get([first.remote(i) for i in range(8)])
 t2 = time.perf_counter()
-ray.shutdown()
+eng.close() if way == "engine" else ray.shutdown()
 print(json.dumps({"init": t1 - t0, "first_tasks": t2 - t1, "shutdown": time.perf_counter() - t2}))
 """
 
 
 def once(way: str, cpus: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the workers get it from `way` only
-    env["AIPROF_SRC"] = os.path.join(ROOT, "src")
+    env = dict(os.environ)  # the workers get aiprof's src from `way` only: not on PYTHONPATH here
+    src = os.path.join(ROOT, "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p and os.path.abspath(p) != src)
+    env["AIPROF_SRC"] = src
     p = subprocess.run([sys.executable, "-c", CHILD, way, str(cpus)], capture_output=True, text=True, env=env,
                        timeout=300, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -57,7 +73,7 @@ def main() -> None:
     ap.add_argument("--cpus", type=int, default=len(os.sched_getaffinity(0)))
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
-    ways = ("runtime_env", "environ")
+    ways = ("runtime_env", "environ", "engine")
     got: dict[str, list[dict]] = {w: [] for w in ways}
     for _ in range(args.rounds):
         for w in ways:
