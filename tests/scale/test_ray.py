@@ -142,13 +142,23 @@ me = psutil.Process()
 eng = engines.RayEngine(cpus=1)
 assert eng.cpus == 1  # starts the local Ray
 started = me.children()
+names = {p.pid: " ".join(p.cmdline()[:2]) for p in started}
+
+
+def alive(p):  # running and not a zombie; gone in between counts as gone
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 # the autoscaler monitor (ray/autoscaler/_private/monitor.py), not log_monitor.py
 monitor = [p for p in started if any(os.path.basename(a) == "monitor.py" for a in p.cmdline())]
 engines._kill_monitor()
-killed = [not p.is_running() for p in monitor]
-others_up = all(p.is_running() for p in started if p not in monitor)
+killed = [not alive(p) for p in monitor]
+others_up = all(alive(p) for p in started if p not in monitor)
 eng.close()
-left = [" ".join(p.cmdline()[:2]) for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+left = [names[p.pid] for p in started if alive(p)]
 print(json.dumps({"monitor": len(monitor), "killed": killed, "others_up": others_up, "left": left}))
 """
 
