@@ -103,10 +103,23 @@ def test_cli_on_ray_never_reruns_the_callers_main(ddp4_dir, tmp_path):
                                                       "stragglers": [1, 1]}
 
 
+# Says, as the interpreter exits, whether Ray was imported (a sitecustomize on PYTHONPATH).
+RAY_IMPORTED = """\
+import atexit, os, sys
+
+def _say():
+    with open(os.environ["AIPROF_TEST_RAY_IMPORTED"], "w") as f:
+        f.write(str("ray" in sys.modules))
+
+atexit.register(_say)
+"""
+
+
 def test_cli_reads_kept_results_without_starting_ray(tmp_path):
     """A second `aiprof analyze --engine ray` of an unchanged capture reads every rank's kept
     results (scale.results): no task runs and the embedded Ray is never started (the progress
-    file has no "starting ray"); the report is the first run's, byte for byte."""
+    file has no "starting ray"), nor imported; the report is the first run's, byte for byte."""
+    import os
     import shutil
 
     from tests.conftest import DATA
@@ -115,15 +128,23 @@ def test_cli_reads_kept_results_without_starting_ray(tmp_path):
     cap.mkdir()
     for r in range(4):
         shutil.copy(DATA / f"ddp4_slow2_rank{r}.json.gz", cap)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(RAY_IMPORTED)
+    said = tmp_path / "ray_imported.txt"
+    env = dict(os.environ, AIPROF_TEST_RAY_IMPORTED=str(said),
+               PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     runs = []
     for n in range(2):
         stats, prog = tmp_path / f"s{n}.json", tmp_path / f"p{n}.json"
         p = subprocess.run([sys.executable, "-m", "aiprof", "analyze", str(cap), "--engine", "ray", "--workers", "2",
                             "--json", "--stats", str(stats), "--progress-file", str(prog)],
-                           check=False, capture_output=True, text=True, timeout=600)
+                           check=False, capture_output=True, text=True, timeout=600, env=env)
         assert p.returncode == 0, p.stderr[-3000:]
-        runs.append((p.stdout, json.loads(stats.read_text()), json.loads(prog.read_text())["phases"]))
-    (out1, st1, ph1), (out2, st2, ph2) = runs
+        runs.append((p.stdout, json.loads(stats.read_text()), json.loads(prog.read_text())["phases"],
+                     said.read_text()))
+    (out1, st1, ph1, imported1), (out2, st2, ph2, imported2) = runs
+    assert (imported1, imported2) == ("True", "False")
     assert ph1["starting ray"] == [1, 1] and {k: v["tasks"] for k, v in st1["phases"].items()} == \
         {"ingest": 4, "analyse": 4, "stragglers": 1}
     assert ph2 == {"ingest": [4, 4], "analyse": [4, 4], "stragglers": [1, 1]}

@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     files = find_trace_files(args.paths, args.capture)
     kind = engines.choose(args.engine, len(files), args.cluster)
     t = time.perf_counter()
-    if kind == "ray" and not engines.ray_available():  # imports Ray: 0.35-0.8 s where measured (docs/scale.md)
+    if kind == "ray" and not engines.ray_available():  # finds it; the engine imports it if a task is to run
         kind = engines.without_ray(len(files), args.cluster)
     driver: dict[str, float] = {"import_ray_s": time.perf_counter() - t}  # the driver's own steps' wall s (--stats)
     pfile = ProgressFile(args.progress_file, kind, len(files)) if args.progress_file else None
@@ -168,15 +168,13 @@ def run(args: argparse.Namespace) -> int:
         # the embedded Ray starts with the first phase that has tasks to run (none when every
         # result is kept from an earlier run): its start is a phase of the progress too
         on_start = _both(update, pfile) if kind == "ray" else None
-        t = time.perf_counter()
         with (_stdout_to_stderr() if kind == "ray" else contextlib.nullcontext()), \
                 (bar if bar is not None else contextlib.nullcontext()), \
                 engines.make(kind, args.cluster, args.workers, on_start) as eng:
-            made_s = time.perf_counter() - t
-            eager_s = getattr(eng, "start_s", 0.0)  # a cluster is connected to by make itself
             report = build_job_report(files, eng, args.entry, args.top, not args.no_cache,
                                       _both(update, pfile), driver, reuse=True, keep=True)
-            driver["engine_start_s"] = made_s + getattr(eng, "start_s", 0.0) - eager_s
+            driver["import_ray_s"] += getattr(eng, "import_s", 0.0)
+            driver["engine_start_s"] = getattr(eng, "start_s", 0.0)
             t = time.perf_counter()
         driver["engine_stop_s"] = time.perf_counter() - t
         cap = None
