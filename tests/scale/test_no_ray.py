@@ -130,3 +130,21 @@ def test_cluster_without_ray_is_one_line(tmp_path, ddp2_dir, how):
     assert p.stderr.splitlines() == [f"aiprof: error: --cluster {how[-1]}: Ray is not installed: "
                                      "pip install 'aiprof[scale]'"]
     assert p.stdout == ""
+
+
+def test_a_ray_that_cannot_be_imported_is_one_line(tmp_path, ddp4_dir):
+    """A Ray that is installed but fails to import (found, so the Ray engine is chosen; imported
+    only when its first task is to run): one line naming the import's error and the way round it,
+    a non-zero exit, no report."""
+    broken = tmp_path / "broken" / "ray"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("libray.so: cannot open shared object file")\n')
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(broken.parent), SRC, env.get("PYTHONPATH")) if p),
+               AIPROF_PROGRESS="never")
+    p = _aiprof(env, "analyze", str(ddp4_dir), "--engine", "ray", "--no-cache", "--json")
+    assert p.returncode != 0
+    assert p.stderr.splitlines() == ["aiprof: error: the Ray engine needs Ray (libray.so: cannot open shared object "
+                                     "file): pip install 'aiprof[scale]'; or analyse in this process with "
+                                     "--engine local"]
+    assert p.stdout == ""
