@@ -225,6 +225,8 @@ def _write_stats(path: str, kind: str, n: int, wall_s: float, eng, driver: dict[
            # in this process: the ingest workers it started; on Ray: the tasks' own CPU
            "worker_cpu_s": round(st.worker_cpu_s if st else kids.ru_utime + kids.ru_stime, 3),
            "phases": st.by_phase if st else {},
-           "driver": {k: round(v, 3) for k, v in driver.items()}}
+           # to the microsecond: a step of a small job takes under a millisecond, and one that
+           # ran is never written as 0
+           "driver": {k: round(v, 6) for k, v in driver.items()}}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
