@@ -330,7 +330,7 @@ class RayEngine:
     A named cluster is connected to at once (a wrong address or token is the first thing the user
     hears of); the local Ray is started by the first phase that has tasks to run (about 6 s on 64
     cores, 2.5-4.5 s on 2), so an analysis whose results are all kept (scale.results) starts none,
-    nor imports Ray (0.25-0.35 s on 2 cores, 0.7-0.8 s on the lent machines).
+    nor imports Ray (0.25-0.35 s on 2 cores, 0.7-1.2 s on the lent machines).
     ``on_start(phase, done, total)`` hears of the start ("starting ray": 0 then 1 of 1)."""
 
     name = "ray"
