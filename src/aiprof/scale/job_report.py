@@ -59,6 +59,18 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@contextlib.contextmanager
+def _step(clock: dict[str, float], name: str) -> Iterator[None]:
+    """One of the driver's own steps: collection paused (_gc_paused), its wall seconds added to
+    ``clock[name]``."""
+    with _gc_paused():
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            clock[name] = clock.get(name, 0.0) + time.perf_counter() - t
+
+
 def _rank_view(d: dict) -> RankReport:
     """A RankReport over a report dict, as the cross-rank comparison reads it (steps as objects)."""
     return RankReport(**{**d, "steps": [StepBreakdown(**s) for s in d["steps"]]})
@@ -101,8 +113,7 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
     world = max([x.world_size for x in ing] + [len(ing)])
     multi = len(ing) >= 2
     # 2. match collectives across ranks; each rank's coupling
-    with _gc_paused():
-        t = time.perf_counter()
+    with _step(clock, "match_s"):
         colls = [x.collectives for x in ing]
         columns: dict = {}
         matched = align_and_arrivals(colls, columns) if multi else None
@@ -118,7 +129,6 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
             inputs[ranks[0]].rank_index = (columns.get("rank_index") or {}).get(ranks[0])
         pick = partners(ranks, matched[1].waited_us if matched else {}, rcols,
                         matched[1].caused_wait_us if matched else {})
-        clock["match_s"] = time.perf_counter() - t
     token = uuid.uuid4().hex
     asked = experimental_asked()  # read here: the workers do not share this process's environment
     # 3. analyse each rank; a report that keeps the tables of a few ranks only (pipeline.assemble)
@@ -135,15 +145,13 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
         res[i] = out
     reports = [r.report for r in res]
     # 4. compare the ranks
-    with _gc_paused():
-        t = time.perf_counter()
+    with _step(clock, "compare_s"):
         cross = None
         if multi:
             cr = cross_rank_of(ranks, {x.rank: x.host for x in ing}, world, colls, [_rank_view(d) for d in reports],
                                None, None, matched)
             cross = as_dict(cr)
         del colls, columns, ing, matched
-        clock["compare_s"] = time.perf_counter() - t
     # 5. stragglers: evidence and cause from the straggler's and its base rank's traces
     straggler_c, straggler_s = [], []
     if cross and cross["stragglers"]:
@@ -164,8 +172,7 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
             straggler_c.append((i, f.causes))
             straggler_s.append((i, f.symptoms))
     # in the in-process diagnosis's order: ranks' causes, the job's, the stragglers'
-    with _gc_paused():
-        t = time.perf_counter()
+    with _step(clock, "assemble_s"):
         causes = [c for r in res for c in r.causes]
         symptoms = [s for r in res for s in r.symptoms]
         comm_us = {r.rank: _comm_us(r.report) for r in res}
@@ -178,7 +185,6 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
         symptoms += [s for _, ss in sorted(straggler_s, key=lambda t: t[0]) for s in ss]
         # 6. assemble
         diagnosis = assemble(causes, symptoms, [r.baseline for r in res])
-        clock["assemble_s"] = time.perf_counter() - t
     # 7. the tables of the ranks the report keeps whole (the others' sections are brief)
     if not tables:
         whole = pipeline.detail_ranks(ranks, cross, diagnosis, detail)
@@ -187,10 +193,8 @@ def build_job_report(files: Sequence[str], engine: SerialEngine | RayEngine, ent
         for i, section in run_phase(engine, "tables", tasks.rank_tables, calls, reuse, keep, progress,
                                     [nodes[at[r]] for r in whole], seen=fingerprints):
             reports[at[whole[i]]] = section
-    with _gc_paused():
-        t = time.perf_counter()
+    with _step(clock, "assemble_s"):
         report = pipeline.assemble(world, reports, [inputs[r].source for r in ranks], cross, diagnosis, detail)
-        clock["assemble_s"] += time.perf_counter() - t
     return report
 
 
