@@ -210,6 +210,8 @@ def ray_head(cpus: int) -> Iterator[str]:
 def _use(phase: dict, workers: int) -> str:
     """How the phase used its workers: CPU in tasks, and time in tasks, as shares of the phase's
     wall time on every worker (the rest: workers idle, starting or between tasks)."""
+    if phase.get("before_ray"):  # its wall counts from Ray's being up, its tasks from Ray's start
+        return f" ({phase['before_ray']} of {phase['tasks']} tasks beside Ray's start)"
     if "task_wall_s" not in phase or not phase["wall_s"]:
         return ""
     slots = phase["wall_s"] * workers

@@ -4,6 +4,7 @@ other processes), and the in-process report's where the pipeline gives it (two r
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -66,6 +67,67 @@ def test_a_bad_trace_is_one_line_from_a_worker(ray_engine, ddp4_dir, tmp_path):
     files = [*find_trace_files([str(ddp4_dir)]), str(bad)]
     with pytest.raises(AiprofError, match=r"rank9\.json: .*traceEvents"):
         build_job_report(files, ray_engine)
+
+
+# Runs an analysis on a fresh embedded Ray in its own process (this one's tests share a Ray,
+# started by the module's fixture, which an engine would use as it is) and prints what the
+# tests below check, as JSON. argv: the capture, then "bad" to add a broken trace first.
+BESIDE_START = """\
+import json, multiprocessing, sys, time
+from aiprof.errors import AiprofError
+from aiprof.scale import engines
+from aiprof.scale.job_report import build_job_report
+from aiprof.trace.store import find_trace_files
+
+files = find_trace_files([sys.argv[1]])
+if sys.argv[2:3] == ["bad"]:
+    files = [sys.argv[3], *files]
+out = {}
+try:
+    with engines.RayEngine(cpus=2) as eng:
+        out["report"] = build_job_report(files, eng)
+        out["node"] = eng.ray.get_runtime_context().get_node_id()
+except AiprofError as exc:
+    out["error"] = str(exc)
+with engines.SerialEngine() as serial:
+    out["same"] = "report" in out and out.pop("report") == build_job_report(files, serial)
+out["phases"] = eng.stats.by_phase
+end = time.monotonic() + 30  # the pool's own thread reaps its processes once their last task ends
+while multiprocessing.active_children() and time.monotonic() < end:
+    time.sleep(0.05)
+out["pool_left"] = len(multiprocessing.active_children())
+print(json.dumps(out))
+"""
+
+
+def _beside_start(*args: str) -> dict:
+    p = subprocess.run([sys.executable, "-c", BESIDE_START, *args], check=False, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_first_phase_runs_beside_rays_start(ddp4_dir):
+    """While the embedded Ray starts, the first phase's tasks run in processes forked from the
+    driver (engines.RAY_START_CPUS: one beside a Ray of two CPUs): some ingest tasks end before
+    Ray is up, counted where they ran (the local Ray's one node); Ray runs the rest and every
+    later phase. The report is the per-rank pipeline's in one process; no pool process is left."""
+    got = _beside_start(str(ddp4_dir))
+    assert got["same"] and got["pool_left"] == 0
+    st = got["phases"]
+    assert 1 <= st["ingest"]["before_ray"] <= st["ingest"]["tasks"] == 4
+    assert st["ingest"]["nodes"] == {got["node"]: 4}
+    assert not any("before_ray" in v for ph, v in st.items() if ph != "ingest")
+
+
+def test_a_bad_trace_beside_rays_start_is_one_line(ddp4_dir, tmp_path):
+    """A trace that fails in a pool process (the first call: the pool begins it at once) ends
+    the analysis with the one-line error a Ray worker's failure gives."""
+    bad = tmp_path / "rank9.json"
+    bad.write_text('{"schemaVersion": 1}')
+    got = _beside_start(str(ddp4_dir), "bad", str(bad))
+    assert re.search(r"rank9\.json: .*traceEvents", got["error"]), got
+    assert got["pool_left"] == 0
 
 
 SCRIPT = """\

@@ -54,6 +54,13 @@ AUTH_TOKEN_PATH_VAR = "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_FILE = os.path.join("~", ".ray", "auth_token")
 # A head's Ray Client server (`ray start --ray-client-server-port`, 10001 by default), as Ray names it.
 RAY_CLIENT_SCHEME = "ray://"
+# While the embedded Ray starts (about 6 s on the lent 16-64 vCPU machines, most of it Ray's
+# daemons importing Ray one after another and a one-second poll: docs/scale.md), the first
+# phase's tasks run in processes forked from this one, and Ray takes what is left once it is up.
+# The start keeps about one CPU busy (its daemons start one after another, each importing Ray;
+# this process mostly waits on them): the pool is the Ray CPUs less that one. Leaving two made no
+# difference on 16 vCPUs (1,024 ddp2 ranks: 32.3 / 32.7 s against 32.2 / 32.0; docs/scale.md).
+RAY_START_CPUS = 1
 # How long close() waits for the killed autoscaler monitor to be reaped (see _kill_monitor): a
 # SIGKILLed process is gone in milliseconds; past this, Ray's own shutdown waits for it as before.
 MONITOR_REAP_S = 1.0
@@ -79,9 +86,13 @@ class EngineStats:
         """``n`` of the phase's results were read from an earlier run (scale.results): no task ran."""
         self._phase(phase)["reused"] = n
 
-    def add(self, phase: str, cpu_s: float, node: str = "", task_wall_s: float = 0.0) -> None:
+    def add(self, phase: str, cpu_s: float, node: str = "", task_wall_s: float = 0.0,
+            before_ray: bool = False) -> None:
+        """One task's cost; ``before_ray``: it ran in a process of this host while Ray started."""
         p = self._phase(phase)
         p["tasks"] += 1
+        if before_ray:
+            p["before_ray"] = p.get("before_ray", 0) + 1
         p["cpu_s"] += cpu_s
         # a task's own wall time: above its CPU time it waited (I/O, or more runnable threads
         # than cores); the phase's wall times its workers less this sum is their idle time
@@ -329,7 +340,8 @@ class RayEngine:
 
     A named cluster is connected to at once (a wrong address or token is the first thing the user
     hears of); the local Ray is started by the first phase that has tasks to run (about 6 s on 64
-    cores, 2.5-4.5 s on 2), so an analysis whose results are all kept (scale.results) starts none,
+    cores, 2.5-4.5 s on 2; that phase's first tasks run beside it: :meth:`_start_alongside`),
+    so an analysis whose results are all kept (scale.results) starts none,
     nor imports Ray (0.25-0.35 s on 2 cores, 0.7-1.2 s on the lent machines).
     ``on_start(phase, done, total)`` hears of the start ("starting ray": 0 then 1 of 1)."""
 
@@ -427,18 +439,49 @@ class RayEngine:
         self._start()
         return int(self.ray.cluster_resources().get("CPU", 1))
 
+    def _start_alongside(self, fn: Callable, calls: Sequence[tuple]) -> dict:
+        """Start the local Ray while a pool of processes forked from this one runs the calls
+        (RAY_START_CPUS); return the pool's futures of the calls it took (future -> index), the
+        pool shut down: those not begun by the time Ray is up are cancelled, for Ray to run."""
+        workers = (self._cpus or _host_cpus()) - RAY_START_CPUS
+        if self._address or workers < 1 or len(calls) < 2 or not _can_fork():
+            self._start()
+            return {}
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # forked before Ray is imported or started: the children hold none of its threads
+        pool = ProcessPoolExecutor(min(workers, len(calls)), mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_ignore_sigint)
+        try:
+            futures = {pool.submit(_timed, fn, args): i for i, args in enumerate(calls)}
+            self._start()
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # what runs finishes: a task at most
+            raise
+        # cancelled here, not by shutdown(cancel_futures=True): its pool thread cancels later, and
+        # a future cancelled there would never be seen to end. cancel() fails for those begun.
+        begun = {f: i for f, i in futures.items() if not f.cancel()}
+        pool.shutdown(wait=False)
+        return begun
+
     def map(self, phase: str, fn: Callable, calls: Sequence[tuple], progress: Progress | None = None,
             nodes: Sequence[str] | None = None) -> Iterator[tuple[int, object]]:
         """Submit every call; yield (index, result) as each completes. ``nodes``: the node each
-        call should prefer (where its rank's store was written), if the cluster has several."""
+        call should prefer (where its rank's store was written), if the cluster has several.
+        The phase that starts the local Ray runs its first calls beside the start
+        (:meth:`_start_alongside`)."""
         if not calls:
             return
-        self._start()
-        ray = self.ray
+        early = {} if self._started else self._start_alongside(fn, calls)
+        # the phase's wall from here, Ray up: its start (start_s) is where the early tasks ran
         t0 = time.perf_counter()
+        ray = self.ray
+        here = ray.get_runtime_context().get_node_id() if early else ""  # the local Ray's one node
         many_nodes = nodes is not None and len({n for n in nodes if n}) > 1
         refs = {}
-        for i, args in enumerate(calls):
+
+        def submit(i: int) -> object:
             opts = {}
             if many_nodes and nodes[i]:
                 from ray.util.scheduling_strategies import (
@@ -446,11 +489,41 @@ class RayEngine:
                 )
 
                 opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[i], soft=True)
-            refs[self._remote.options(**opts).remote(fn, args)] = i
+            ref = self._remote.options(**opts).remote(fn, calls[i])
+            refs[ref] = i
+            return ref
+
+        taken = set(early.values())
+        pending = [submit(i) for i in range(len(calls)) if i not in taken]
         self.nodes: dict[int, str] = {}
-        pending = list(refs)
         done_n = 0
+
+        def deliver(i: int, out: object, cpu: float, node: str, wall: float, before_ray: bool = False) -> object:
+            nonlocal done_n
+            if isinstance(out, _Failed):
+                err = AiprofError(out.message)
+                err.exit_code = out.exit_code
+                raise err
+            self.stats.add(phase, cpu, node, wall, before_ray)
+            self.nodes[i] = node
+            done_n += 1
+            if progress:
+                progress(phase, done_n, len(calls))
+            return out
+
         try:
+            if early:
+                from concurrent.futures import as_completed
+                from concurrent.futures.process import BrokenProcessPool
+
+                for f in as_completed(early):  # begun before Ray's: the first to end
+                    i = early[f]
+                    try:
+                        out, cpu, _, wall = f.result()
+                    except BrokenProcessPool:  # a process of the pool died (killed): Ray runs it
+                        pending.append(submit(i))
+                        continue
+                    yield i, deliver(i, out, cpu, here, wall, before_ray=True)
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
                 if pending:  # and every other result already in: a wait costs O(pending), so one
@@ -463,16 +536,7 @@ class RayEngine:
                     raise _unwrap(exc) from None
                 for ref, (out, cpu, node, wall) in zip(ready, outs):
                     i = refs.pop(ref)
-                    if isinstance(out, _Failed):
-                        err = AiprofError(out.message)
-                        err.exit_code = out.exit_code
-                        raise err
-                    self.stats.add(phase, cpu, node, wall)
-                    self.nodes[i] = node
-                    done_n += 1
-                    if progress:
-                        progress(phase, done_n, len(calls))
-                    yield i, out
+                    yield i, deliver(i, out, cpu, node, wall)
         finally:
             for ref in pending:  # leaving early (an error, Ctrl-C): stop what is still queued
                 ray.cancel(ref, force=True)
@@ -490,6 +554,24 @@ class RayEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _host_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _can_fork() -> bool:
+    import multiprocessing
+
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _ignore_sigint() -> None:
+    """A pool process leaves Ctrl-C to this one, which shuts the pool down (no traceback per process)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _kill_monitor() -> None:
