@@ -257,3 +257,65 @@ def test_close_kills_the_monitor_first_and_leaves_no_ray_process(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got == {"monitor": 1, "killed": [True], "others_up": True, "left": []}
+
+
+# An analysis whose driver writes argv[2] as the embedded Ray begins to start (the pool beside
+# it forked by then), to be killed there by the test below.
+KILLED_DRIVER = """\
+import sys
+from aiprof.scale import engines
+from aiprof.scale.job_report import build_job_report
+from aiprof.trace.store import find_trace_files
+
+def starting(phase, done, total):
+    if done == 0:
+        open(sys.argv[2], "w").close()
+
+with engines.RayEngine(cpus=2, on_start=starting) as eng:
+    build_job_report(find_trace_files([sys.argv[1]]), eng)
+"""
+
+
+def test_pool_processes_die_with_a_killed_driver(ddp4_dir, tmp_path):
+    """A driver killed (SIGKILL) while Ray starts leaves no pool process behind: each dies with
+    it (PR_SET_PDEATHSIG), where it would wait on the pool's queue for ever."""
+    import signal
+    import time
+
+    need("psutil")
+    import psutil
+
+    marker = tmp_path / "starting"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(ddp4_dir), str(marker)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    family: list = []
+    try:
+        end = time.monotonic() + 300
+        while not marker.exists() and driver.poll() is None and time.monotonic() < end:
+            time.sleep(0.01)
+        assert marker.exists(), "the driver never began to start Ray"
+        me = psutil.Process(driver.pid)
+        command = me.cmdline()
+        family = me.children(recursive=True)  # the pool's process, and whatever of Ray has begun
+
+        def forked(p: psutil.Process) -> bool:  # a fork runs the driver's command line
+            try:
+                return p.cmdline() == command
+            except psutil.Error:  # gone meanwhile (one of Ray's short-lived processes)
+                return False
+
+        pool = [p for p in family if forked(p)]
+        assert pool, f"no pool process among the driver's {len(family)} children"
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+        _, alive = psutil.wait_procs(pool, timeout=30)
+        assert not alive
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=60)
+        for p in family:  # Ray's processes begun before the kill: not this test's subject
+            try:
+                p.kill()
+            except psutil.Error:
+                pass

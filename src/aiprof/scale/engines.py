@@ -61,6 +61,7 @@ RAY_CLIENT_SCHEME = "ray://"
 # this process mostly waits on them): the pool is the Ray CPUs less that one. Leaving two made no
 # difference on 16 vCPUs (1,024 ddp2 ranks: 32.3 / 32.7 s against 32.2 / 32.0; docs/scale.md).
 RAY_START_CPUS = 1
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 # How long close() waits for the killed autoscaler monitor to be reaped (see _kill_monitor): a
 # SIGKILLed process is gone in milliseconds; past this, Ray's own shutdown waits for it as before.
 MONITOR_REAP_S = 1.0
@@ -452,7 +453,7 @@ class RayEngine:
 
         # forked before Ray is imported or started: the children hold none of its threads
         pool = ProcessPoolExecutor(min(workers, len(calls)), mp_context=multiprocessing.get_context("fork"),
-                                   initializer=_ignore_sigint)
+                                   initializer=_pool_process, initargs=(os.getpid(), _prctl()))
         try:
             futures = {pool.submit(_timed, fn, args): i for i, args in enumerate(calls)}
             self._start()
@@ -567,11 +568,28 @@ def _can_fork() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
-def _ignore_sigint() -> None:
-    """A pool process leaves Ctrl-C to this one, which shuts the pool down (no traceback per process)."""
+def _prctl() -> Callable | None:
+    """libc's prctl, looked up here: a forked child must not dlopen (a lock another thread of the
+    parent may have held at the fork); None where there is none (not Linux)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _pool_process(parent: int, prctl: Callable | None) -> None:
+    """A pool process (forked: its arguments are not pickled) leaves Ctrl-C to the driver, which
+    shuts the pool down (no traceback per process), and dies with it: a driver killed (SIGKILL,
+    the OOM killer) would leave it waiting on the pool's queue for ever."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if prctl is not None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # the driver died before the signal was armed
+        os._exit(1)
 
 
 def _kill_monitor() -> None:
