@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from aiprof import __version__
 from aiprof.diagnosis.job import JOINT_MAX_RANKS
 from aiprof.errors import AiprofError, UsageError
+from aiprof.trace.workers import usable_cpus
 
 # Ranks from which `aiprof analyze` uses Ray by default: up to JOINT_MAX_RANKS the joint replay
 # prices causes across ranks, and it needs every rank in one process.
@@ -57,9 +58,9 @@ RAY_CLIENT_SCHEME = "ray://"
 # While the embedded Ray starts (about 6 s on the lent 16-64 vCPU machines, most of it Ray's
 # daemons importing Ray one after another and a one-second poll: docs/scale.md), the first
 # phase's tasks run in processes forked from this one, and Ray takes what is left once it is up.
-# The start keeps about one CPU busy (its daemons start one after another, each importing Ray;
-# this process mostly waits on them): the pool is the Ray CPUs less that one. Leaving two made no
-# difference on 16 vCPUs (1,024 ddp2 ranks: 32.3 / 32.7 s against 32.2 / 32.0; docs/scale.md).
+# The start runs Ray's daemons one after another (each importing Ray) while this process waits
+# on them: the pool is the Ray CPUs less one, left to them. Leaving two made no difference on 16
+# vCPUs (1,024 ddp2 ranks: 32.3 / 32.7 s against 32.2 / 32.0; docs/scale.md).
 RAY_START_CPUS = 1
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 # How long close() waits for the killed autoscaler monitor to be reaped (see _kill_monitor): a
@@ -117,7 +118,7 @@ class _Failed:
 def _timed(fn: Callable, args: tuple) -> tuple[object, float, str, float]:
     """Run one task; return its result, the CPU seconds it took, the node it ran on and its
     wall seconds."""
-    os.environ["AIPROF_INGEST_WORKERS"] = "1"  # in a Ray worker: one task per CPU already
+    os.environ["AIPROF_INGEST_WORKERS"] = "1"  # in a Ray worker or a pool process: one task per CPU already
     w0 = time.perf_counter()
     t0 = time.process_time()
     try:
@@ -444,14 +445,16 @@ class RayEngine:
         """Start the local Ray while a pool of processes forked from this one runs the calls
         (RAY_START_CPUS); return the pool's futures of the calls it took (future -> index), the
         pool shut down: those not begun by the time Ray is up are cancelled, for Ray to run."""
-        workers = (self._cpus or _host_cpus()) - RAY_START_CPUS
-        if self._address or workers < 1 or len(calls) < 2 or not _can_fork():
+        workers = (self._cpus or usable_cpus()) - RAY_START_CPUS
+        if workers < 1 or len(calls) < 2 or not _can_fork():  # (a cluster is connected at init)
             self._start()
             return {}
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        # forked before Ray is imported or started: the children hold none of its threads
+        # forked before Ray is imported or started: the children hold none of its threads. Not
+        # trace.workers' pool: its fresh interpreters take seconds to import numpy and aiprof on
+        # a loaded machine, much of the start this pool is there to use
         pool = ProcessPoolExecutor(min(workers, len(calls)), mp_context=multiprocessing.get_context("fork"),
                                    initializer=_pool_process, initargs=(os.getpid(), _prctl()))
         try:
@@ -555,11 +558,6 @@ class RayEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _host_cpus() -> int:
-    """The CPUs this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _can_fork() -> bool:

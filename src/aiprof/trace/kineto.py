@@ -32,6 +32,7 @@ from aiprof.trace.builder import TABLES, Builder
 from aiprof.trace.events import ANY, EVENTS, EventError, validation_error
 from aiprof.trace.limits import Limits
 from aiprof.trace.table import Table
+from aiprof.trace.workers import usable_cpus
 
 __all__ = ["CHUNK_BYTES", "DECODE_BYTES", "TABLES", "ParsedTrace", "decode_block", "read_header", "read_trace"]
 
@@ -243,11 +244,7 @@ def default_workers() -> int:
         except ValueError:
             print(f"aiprof: warning: AIPROF_INGEST_WORKERS={env!r} is not a number; using 1", file=sys.stderr)
             return 1
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return min(_MAX_DEFAULT_WORKERS, cpus)
+    return min(_MAX_DEFAULT_WORKERS, usable_cpus())
 
 
 def _parse(r: _Reader, chunk_bytes: int, workers: int = 1) -> ParsedTrace:

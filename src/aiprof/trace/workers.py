@@ -23,7 +23,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["WorkerLost", "WorkerPool", "serve"]
+__all__ = ["WorkerLost", "WorkerPool", "serve", "usable_cpus"]
 
 # A fresh interpreter imports numpy, pyarrow and msgspec; on a loaded 2-core machine that takes
 # seconds. A worker silent for longer is not a Python that runs this module (embedded, frozen).
@@ -32,6 +32,14 @@ _HELLO = b"aiprof-ingest-worker/1"
 _LEN = struct.Struct("<Q")
 _BOOT = ("import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
          "from aiprof.trace.workers import serve; serve()")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class WorkerLost(Exception):
